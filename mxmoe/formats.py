@@ -1,0 +1,242 @@
+"""MXFP8 numerics: FP8 E4M3 elements with one E8M0 power-of-two scale per 32 elements.
+
+Source: OCP Microscaling Formats (MX) Specification v1.0, section 5 (MXFP8 = E4M3 elements,
+E8M0 shared scale, block size 32). This module is the pure-torch reference ("twin") of every
+quantization kernel in :mod:`mxmoe.kernels`: kernels must match it bit for bit.
+
+Exact semantics (DESIGN §3), stated on the FP32 bit pattern of ``amax``, the largest ``|x|`` of
+a block (biased exponent field ``E``, 23-bit mantissa field ``m``):
+
+* ``rceil`` (default): the smallest power of two ``s`` with ``s >= amax / 448``, so no element
+  clips. In bits: ``scale_byte = E - 8 + (m > 0x600000)`` (448 = 1.75 * 2^8).
+  TransformerEngine, cuBLAS, torchao's MoE training and the source team use this rule.
+* ``floor`` (OCP MX v1.0): ``s = 2^(floor(log2 amax) - 8)`` (8 = emax of E4M3), elements that
+  land above 448 saturate to ±448. In bits: ``scale_byte = E - 8``.
+
+In both rules the byte is clamped to ``[0, 254]``; an all-zero block gets byte 0x00 (2^-127)
+and zero data. A block holding any NaN or ±Inf gets scale byte 0xFF (NaN) and all its data bytes
+are 0x7F (E4M3 NaN), so it dequantizes to NaN. Elements are ``x * 2^(127 - scale_byte)``
+rounded to nearest-even into E4M3 (subnormals kept), after clamping to ±448.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+E4M3_MAX = 448.0  # largest finite torch.float8_e4m3fn
+E4M3_EMAX = 8  # exponent of the largest E4M3 binade (448 = 1.75 * 2^8)
+E8M0_BIAS = 127  # E8M0 byte b means 2^(b - 127)
+E8M0_NAN = 0xFF
+E4M3_NAN = 0x7F
+BLOCK = 32  # elements per scale along the quantized axis (OCP MX v1.0)
+
+
+class ScaleRule(str, enum.Enum):
+    """How a block's E8M0 scale is chosen from its ``amax``.
+
+    RCEIL: ``2^ceil(log2(amax / 448))``, nothing clips (default; TE / cuBLAS / torchao MoE).
+    FLOOR: ``2^(floor(log2 amax) - 8)``, OCP MX v1.0; elements above 448 saturate.
+    """
+
+    RCEIL = "rceil"
+    FLOOR = "floor"
+
+
+def scale_byte_from_amax(amax: torch.Tensor, rule: ScaleRule | str = ScaleRule.RCEIL) -> torch.Tensor:
+    """E8M0 scale bytes for block maxima.
+
+    Args:
+        amax: float32 tensor of block maxima ``max |x|`` (any shape; NaN/Inf allowed).
+        rule: ``"rceil"`` or ``"floor"``.
+    Returns:
+        int32 tensor of the same shape, values in ``[0, 255]`` (255 = NaN for non-finite amax).
+    """
+    rule = ScaleRule(rule)
+    bits = amax.to(torch.float32).contiguous().view(torch.int32)
+    exp_field = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    byte = exp_field - E4M3_EMAX
+    if rule is ScaleRule.RCEIL:
+        byte = byte + (mant > 0x600000).to(torch.int32)
+    byte = byte.clamp(0, 254)
+    return torch.where(exp_field == 0xFF, torch.full_like(byte, E8M0_NAN), byte)
+
+
+def e8m0_to_float(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values ``2^(b - 127)`` of E8M0 scales (``torch.float8_e8m0fnu`` or uint8 bytes); 0xFF -> NaN."""
+    b = scale.view(torch.uint8).to(torch.int32)
+    val = torch.exp2((b - E8M0_BIAS).to(torch.float64))
+    val = torch.where(b == E8M0_NAN, torch.full_like(val, float("nan")), val)
+    return val.to(dtype)
+
+
+def _check_input(x: torch.Tensor, axis: int) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
+        raise TypeError(f"quantize expects a float16/bfloat16/float32/float64 tensor, got dtype {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("quantize expects at least one dimension")
+    axis = axis % x.dim()
+    if x.shape[axis] % BLOCK != 0:
+        raise ValueError(
+            f"the quantized axis {axis} has size {x.shape[axis]}, which is not divisible by the MX block size {BLOCK}"
+        )
+    return axis
+
+
+@dataclass
+class MXTensor:
+    """An MXFP8 tensor (OCP MX v1.0): E4M3 data and one E8M0 scale per 32 elements along ``axis``.
+
+    Attributes:
+        data: ``torch.float8_e4m3fn``, the shape of the original tensor.
+        scale: ``torch.float8_e8m0fnu``, row-major, the original shape with ``axis`` divided by 32.
+        axis: the quantized (contraction) axis, non-negative.
+        scale_rule: ``"rceil"`` or ``"floor"``.
+        block: ``(1, 32)`` for standard blocks, ``(32, 32)`` when one scale was chosen per 32x32
+            tile of the last two dims (the scale is then stored replicated, so the tensor is
+            still a standard 1x32 MX tensor along ``axis``, and :meth:`requantize_free_swap`
+            gives the other orientation with no new rounding).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    axis: int
+    scale_rule: str = "rceil"
+    block: tuple[int, int] = (1, BLOCK)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Return ``data * 2^(scale - 127)`` in ``dtype`` (NaN where the scale is NaN).
+
+        The product is formed in float64 (exact), then rounded once to ``dtype``.
+        """
+        s = e8m0_to_float(self.scale, torch.float64).repeat_interleave(BLOCK, dim=self.axis)
+        return (self.data.to(torch.float64) * s).to(dtype)
+
+    def transpose(self, dim0: int, dim1: int) -> "MXTensor":
+        """A view with two dims swapped (data and scale alike); the quantized axis follows."""
+        nd = self.data.dim()
+        dim0, dim1 = dim0 % nd, dim1 % nd
+        axis = {dim0: dim1, dim1: dim0}.get(self.axis, self.axis)
+        return MXTensor(self.data.transpose(dim0, dim1), self.scale.transpose(dim0, dim1), axis,
+                        self.scale_rule, self.block)
+
+    @property
+    def mT(self) -> "MXTensor":
+        return self.transpose(-2, -1)
+
+    def requantize_free_swap(self) -> "MXTensor":
+        """For 32x32-block tensors: the same data quantized along the other of the last two dims.
+
+        The scales of a 32x32 tile are equal, so the data bytes are unchanged; only the scale
+        storage is re-replicated. Raises ValueError for 1x32 tensors (they need a new rounding).
+        """
+        if self.block != (BLOCK, BLOCK):
+            raise ValueError("only 32x32-block MX tensors can change orientation without requantizing")
+        nd = self.data.dim()
+        if self.axis == nd - 1:  # scale [..., R, C/32] -> [..., ceil(R/32), C]
+            s = self.scale[..., ::BLOCK, :].repeat_interleave(BLOCK, dim=-1)
+            other = nd - 2
+        elif self.axis == nd - 2:  # scale [..., R/32, C] -> [..., R, ceil(C/32)]
+            s = self.scale[..., :, ::BLOCK].repeat_interleave(BLOCK, dim=-2)
+            other = nd - 1
+        else:
+            raise ValueError("32x32 blocks live on the last two dims")
+        if self.data.shape[other] % BLOCK != 0:
+            raise ValueError(f"dim {other} has size {self.data.shape[other]}, not divisible by {BLOCK}")
+        return MXTensor(self.data, s.contiguous(), other, self.scale_rule, self.block)
+
+    def __repr__(self) -> str:
+        return (f"MXTensor(shape={tuple(self.data.shape)}, axis={self.axis}, scale_rule={self.scale_rule!r}, "
+                f"block={self.block}, device={self.data.device})")
+
+
+def _quantize_blocks(xb: torch.Tensor, amax: torch.Tensor, rule: ScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """xb: [..., n] float32 elements; amax: [...] or broadcastable float32 block maxima (NaN/Inf marks bad)."""
+    byte = scale_byte_from_amax(amax, rule)
+    bad = byte == E8M0_NAN
+    # x * 2^(127 - byte) is exact in float64; where it matters for E4M3 it is exact in float32 too.
+    mult = torch.exp2((E8M0_BIAS - byte).to(torch.float64))
+    q = (xb.to(torch.float64) * mult.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float32)
+    data = q.to(torch.float8_e4m3fn).view(torch.uint8)
+    data = torch.where(bad.unsqueeze(-1), torch.full_like(data, E4M3_NAN), data)
+    return data.view(torch.float8_e4m3fn), byte.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _block_amax(xf: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dim; NaN if the block holds a NaN or an Inf."""
+    amax = xf.abs().amax(dim=-1)
+    nonfinite = ~torch.isfinite(xf).all(dim=-1)
+    return torch.where(nonfinite, torch.full_like(amax, float("nan")), amax)
+
+
+def quantize(
+    x: torch.Tensor,
+    axis: int = -1,
+    scale_rule: ScaleRule | str = ScaleRule.RCEIL,
+    block: tuple[int, int] | int = BLOCK,
+) -> MXTensor:
+    """Quantize ``x`` to MXFP8 along ``axis`` (pure-torch reference, CPU or CUDA).
+
+    Args:
+        x: floating tensor (float32, bfloat16, float16 or float64), any shape with ``x.shape[axis]``
+            divisible by 32. Need not be contiguous.
+        axis: the quantized (contraction) axis; ``-1`` is rowwise, ``0`` of a 2D tensor columnwise.
+        scale_rule: ``"rceil"`` (default) or ``"floor"``; see :class:`ScaleRule`.
+        block: ``32`` / ``(1, 32)`` for standard 1x32 blocks, or ``(32, 32)`` for one scale per
+            32x32 tile of the last two dims (``axis`` must then be one of them; the other dim may
+            end in a partial tile).
+    Returns:
+        :class:`MXTensor` with contiguous ``data`` (``float8_e4m3fn``, shape of ``x``) and
+        ``scale`` (``float8_e8m0fnu``, shape of ``x`` with ``axis`` divided by 32).
+    Raises:
+        TypeError: ``x`` is not a float16/bfloat16/float32/float64 tensor.
+        ValueError: ``x.shape[axis]`` is not divisible by 32, or a bad ``block``.
+    """
+    axis = _check_input(x, axis)
+    rule = ScaleRule(scale_rule)
+    block = (1, block) if isinstance(block, int) else tuple(block)
+    if block not in ((1, BLOCK), (BLOCK, BLOCK)):
+        raise ValueError(f"block must be 32, (1, 32) or (32, 32), got {block}")
+    nd = x.dim()
+    xf = x.to(torch.float32)
+    if block == (1, BLOCK):
+        xm = xf.movedim(axis, -1)  # [..., L]
+        xb = xm.reshape(*xm.shape[:-1], -1, BLOCK)  # [..., L/32, 32]
+        data, scale = _quantize_blocks(xb, _block_amax(xb), rule)
+        data = data.reshape(xm.shape).movedim(-1, axis).contiguous()
+        scale = scale.movedim(-1, axis).contiguous()
+        return MXTensor(data, scale, axis, rule.value, block)
+
+    if nd < 2 or axis not in (nd - 2, nd - 1):
+        raise ValueError(f"32x32 blocks need a tensor of >= 2 dims quantized along one of its last two; got axis {axis} of {nd}")
+    # Move the quantized axis last: [..., R, C] with C % 32 == 0; pad R up to a multiple of 32
+    # with zeros (they never raise a block's amax) for the tile reduction.
+    xm = xf if axis == nd - 1 else xf.transpose(-2, -1)
+    R, C = xm.shape[-2], xm.shape[-1]
+    Rp = -(-R // BLOCK) * BLOCK
+    xp = torch.nn.functional.pad(xm, (0, 0, 0, Rp - R)) if Rp != R else xm
+    tiles = xp.reshape(*xp.shape[:-2], Rp // BLOCK, BLOCK, C // BLOCK, BLOCK).transpose(-3, -2)  # [..,R/32,C/32,32,32]
+    tile_amax = _block_amax(tiles.reshape(*tiles.shape[:-2], BLOCK * BLOCK))  # [..., R/32, C/32]
+    amax_rows = tile_amax.repeat_interleave(BLOCK, dim=-2)[..., :R, :]  # [..., R, C/32]
+    xb = xm.reshape(*xm.shape[:-1], C // BLOCK, BLOCK)
+    data, scale = _quantize_blocks(xb, amax_rows, rule)
+    data = data.reshape(xm.shape)
+    if axis == nd - 2:
+        data, scale = data.transpose(-2, -1), scale.transpose(-2, -1)
+    return MXTensor(data.contiguous(), scale.contiguous(), axis, rule.value, block)
