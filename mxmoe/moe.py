@@ -1,0 +1,156 @@
+"""The MoE layer: router, token permutation, SwiGLU experts as grouped products, combine.
+
+Shape letters: T tokens, D model dim, F expert FFN dim, E experts, top_k experts per token,
+M = padded routed rows (T * top_k plus per-expert padding).
+
+    x [T, D] --router--> probs [T, E] --top_k--> (expert ids, weights) [T, top_k]
+      --permute--> xp [M, D], rows grouped by expert, each group padded to `align` rows
+      --grouped_linear(w13)--> h [M, 2F] --SwiGLU--> a [M, F] --grouped_linear(w2)--> yp [M, D]
+      --gather + weighted sum over top_k--> y [T, D]
+
+The padded buffer has a static size (no host sync): ``M = ceil((T*top_k + E*(align-1)) / align) * align``;
+the slack rows are zero and belong to the last expert's group, so every row of every product is
+defined and zero rows add nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxmoe.ops import grouped_linear
+from mxmoe.recipes import Recipe, get_recipe
+
+
+@dataclass
+class Routing:
+    """Where each (token, choice) slot goes in the expert-ordered buffer."""
+
+    weights: torch.Tensor  # [T, top_k] float32 router weights
+    experts: torch.Tensor  # [T, top_k] int64 expert ids
+    slot_rows: torch.Tensor  # [T * top_k] int64 row of slot t*top_k + j in the padded buffer
+    offs: torch.Tensor  # [E] int32 cumulative end rows of the padded expert groups
+    rows: int  # M, static padded buffer size
+    counts: torch.Tensor  # [E] int64 routed tokens per expert (unpadded)
+
+
+def padded_rows(num_slots: int, num_experts: int, align: int) -> int:
+    """Static size of the padded expert-ordered buffer (upper bound on sum of padded group sizes)."""
+    return math.ceil((num_slots + num_experts * (align - 1)) / align) * align
+
+
+def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Rows of each routed slot in an expert-ordered buffer whose groups start on ``align`` rows.
+
+    Args:
+        experts: ``[T, top_k]`` int64 expert ids.
+    Returns:
+        ``(slot_rows [T*top_k] int64, offs [E] int32, M, counts [E] int64)``; the last group's end
+        is ``M`` (it absorbs the slack rows). Runs on device with no host synchronization.
+    """
+    flat = experts.reshape(-1)
+    n = flat.numel()
+    M = padded_rows(n, num_experts, align)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + align - 1) // align * align
+    group_start = torch.cumsum(padded, 0) - padded  # padded start row of each expert
+    order = torch.argsort(flat, stable=True)  # slots in expert order
+    first_sorted = torch.cumsum(counts, 0) - counts  # position in `order` where each expert starts
+    sorted_experts = flat[order]
+    rank = torch.arange(n, device=flat.device) - first_sorted[sorted_experts]
+    slot_rows = torch.empty_like(flat)
+    slot_rows[order] = group_start[sorted_experts] + rank
+    ends = torch.cumsum(padded, 0)
+    ends[-1] = M
+    return slot_rows, ends.to(torch.int32), M, counts
+
+
+class MoE(nn.Module):
+    """Sparse mixture-of-experts feed-forward layer with SwiGLU experts.
+
+    Args:
+        dim: model dim D.
+        ffn_dim: expert hidden dim F (multiple of 32 under MXFP8 recipes).
+        num_experts: E.
+        top_k: experts per token (``1 <= top_k <= num_experts``).
+        recipe: ``"mxfp8"`` (default), ``"mxfp8_2d"``, ``"mxfp8_bf16_wgrad"``, ``"bf16"``, ``"fp32"``
+            or a :class:`~mxmoe.recipes.Recipe`.
+        aux_loss_coef: coefficient of the load-balancing loss (Switch Transformer form,
+            ``E * sum_e f_e * P_e``); the scaled value is in ``self.aux_loss`` after forward.
+        renormalize: divide the top_k probabilities by their sum (Mixtral); default ``top_k > 1``
+            (with top_k = 1 the weight would always be 1 and the router would learn only from the
+            auxiliary loss, so the raw probability is used, as in Switch Transformer).
+    Parameters:
+        router.weight ``[E, D]``; w13 ``[E, 2F, D]`` (gate rows ``[:F]``, up rows ``[F:]``); w2 ``[E, D, F]``.
+    Raises:
+        ValueError: ``top_k`` outside ``[1, num_experts]``, or dims not divisible by 32 under MXFP8.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int,
+                 recipe: "str | Recipe" = "mxfp8", aux_loss_coef: float = 0.01, renormalize: bool | None = None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
+        self.aux_loss_coef = aux_loss_coef
+        self.renormalize = top_k > 1 if renormalize is None else renormalize
+        self.set_recipe(recipe)
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.reset_parameters()
+        self.aux_loss = torch.zeros(())
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.router.weight, std=self.dim ** -0.5)
+        nn.init.normal_(self.w13, std=self.dim ** -0.5)
+        nn.init.normal_(self.w2, std=self.ffn_dim ** -0.5)
+
+    def set_recipe(self, recipe: "str | Recipe") -> None:
+        """Switch the expert products' precision recipe (weights are unchanged)."""
+        recipe = get_recipe(recipe)
+        if recipe.mxfp8 and (self.dim % 32 or self.ffn_dim % 32):
+            raise ValueError(f"MXFP8 recipes need dim and ffn_dim divisible by 32, got {self.dim} and {self.ffn_dim}")
+        self.recipe = recipe
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """Router in FP32: softmax over experts, top_k, (re)normalized weights; sets ``self.aux_loss``."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())  # [T, E]
+        probs = logits.softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, top_k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        slot_rows, offs, rows, counts = permute_plan(experts, self.num_experts, self.recipe.align)
+        frac_routed = counts.to(torch.float32) / max(experts.numel(), 1)  # f_e
+        self.aux_loss = self.aux_loss_coef * self.num_experts * (frac_routed * probs.mean(dim=0)).sum()
+        return Routing(weights, experts, slot_rows, offs, rows, counts)
+
+    def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``."""
+        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False)  # [M, 2F]
+        gate, up = h.split(self.ffn_dim, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.w2, offs, self.recipe, validate=False)  # [M, D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[batch, seq, D]`` or ``[T, D]`` (float32 or bfloat16) -> same shape and dtype."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
+        shape = x.shape
+        x2 = x.reshape(-1, self.dim)  # [T, D]
+        T = x2.shape[0]
+        r = self.route(x2)
+        src = x2.repeat_interleave(self.top_k, dim=0)  # [T*top_k, D], slot t*top_k + j
+        xp = x2.new_zeros(r.rows, self.dim).index_copy(0, r.slot_rows, src)  # [M, D]
+        yp = self.experts_forward(xp, r.offs)  # [M, D]
+        y = yp.index_select(0, r.slot_rows).view(T, self.top_k, self.dim)
+        y = (y * r.weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [T, D]
+        return y.view(shape).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"recipe={self.recipe.name!r}")

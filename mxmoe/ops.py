@@ -1,0 +1,251 @@
+"""Torch-level ops: quantization dispatch, grouped matrix products, and the expert linear layer.
+
+Shape letters: M routed rows (tokens x top_k, grouped by expert), K contraction, N output
+features, E experts, T tokens of a K-grouped (wgrad) product.
+
+Every op has a pure-torch path that runs anywhere and is the reference the fast CUDA kernels
+(:mod:`mxmoe.kernels`) are tested against; the fast path is taken on CUDA when it supports the
+case, and the result agrees with the reference (bit for bit for quantization, to FP32
+summation order for products).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxmoe import formats
+from mxmoe.formats import BLOCK, MXTensor
+from mxmoe.recipes import Recipe, get_recipe
+
+Operand = "torch.Tensor | MXTensor"
+
+
+# --------------------------------------------------------------------------------------------
+# Quantization
+# --------------------------------------------------------------------------------------------
+def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=BLOCK) -> MXTensor:
+    """Quantize ``x`` to MXFP8 along ``axis``; same contract as :func:`mxmoe.formats.quantize`.
+
+    On CUDA the Triton kernels of :mod:`mxmoe.kernels.quantize` are used where they cover the
+    case (bit-identical to the reference); everywhere else the pure-torch reference runs.
+
+    Args:
+        x: float16/bfloat16/float32/float64 tensor with ``x.shape[axis] % 32 == 0``.
+        axis: quantized (contraction) axis.
+        scale_rule: ``"rceil"`` (default) or ``"floor"``.
+        block: ``32`` (1x32) or ``(32, 32)`` (one scale per 32x32 tile of the last two dims).
+    Returns:
+        :class:`~mxmoe.formats.MXTensor` (E4M3 data, row-major E8M0 scales).
+    Raises:
+        TypeError, ValueError: as :func:`mxmoe.formats.quantize`.
+    """
+    if x.is_cuda:
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_cuda(x, axis, scale_rule, block)
+        if out is not None:
+            return out
+    return formats.quantize(x, axis, scale_rule, block)
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped matrix products (torch._grouped_mm contract)
+# --------------------------------------------------------------------------------------------
+def check_offsets(offs: torch.Tensor, num_groups: int | None, extent: int, what: str = "rows") -> None:
+    """Validate int32 cumulative end offsets of groups.
+
+    Raises:
+        TypeError: ``offs`` is not an int32 tensor.
+        ValueError: not 1D, wrong group count, decreasing, negative, or past ``extent``.
+    """
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:
+        raise TypeError(f"offs must be an int32 tensor, got {getattr(offs, 'dtype', type(offs).__name__)}")
+    if offs.dim() != 1:
+        raise ValueError(f"offs must be 1D [num_groups], got shape {tuple(offs.shape)}")
+    if num_groups is not None and offs.numel() != num_groups:
+        raise ValueError(f"offs has {offs.numel()} groups but the operand has {num_groups}")
+    if offs.numel() == 0:
+        return
+    o = offs.cpu()
+    if (o[0] < 0) or bool((o[1:] < o[:-1]).any()):
+        raise ValueError(f"offs must be non-decreasing and non-negative, got {o.tolist()}")
+    if int(o[-1]) > extent:
+        raise ValueError(f"offs[-1] = {int(o[-1])} is past the {extent} {what} of the grouped operand")
+
+
+def _is_mx(t) -> bool:
+    return isinstance(t, MXTensor)
+
+
+def _reference_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype) -> torch.Tensor:
+    """Plain per-group products, FP32 (or FP64) accumulate; rows/groups outside offs are zero."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:  # [M,K] x [E,K,N] -> [M,N]
+        out = torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype, device=a.device)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            if t > s:
+                out[s:t] = (a[s:t] @ b[e]).to(out_dtype)
+        return out
+    # [N,T] x [T,K] -> [E,N,K]
+    out = torch.zeros(len(ends), a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        if t > s:
+            out[e] = (a[:, s:t] @ b[s:t]).to(out_dtype)
+    return out
+
+
+def _check_grouped_operands(a, b, offs) -> None:
+    if _is_mx(a) != _is_mx(b):
+        raise TypeError("grouped_mm: both operands must be MXTensors or both plain tensors")
+    if a.dim() != 2 or b.dim() not in (2, 3):
+        raise ValueError(f"grouped_mm supports 2D x 3D (fprop/dgrad) and 2D x 2D (wgrad); got {a.dim()}D x {b.dim()}D")
+    if _is_mx(a):
+        if a.axis != 1 or b.axis != b.dim() - 2:
+            raise ValueError(
+                f"grouped_mm: MX operands must be quantized along the contraction dim "
+                f"(a along dim 1, b along dim {b.dim() - 2}); got a.axis={a.axis}, b.axis={b.axis}")
+    else:
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise TypeError(f"grouped_mm expects floating tensors, got {a.dtype} and {b.dtype}")
+        if a.dtype != b.dtype:
+            raise TypeError(f"grouped_mm: operand dtypes differ ({a.dtype} vs {b.dtype})")
+    k_a, k_b = a.shape[1], b.shape[-2]
+    if k_a != k_b:
+        raise ValueError(f"grouped_mm: contraction sizes differ: a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    if b.dim() == 3:
+        check_offsets(offs, b.shape[0], a.shape[0], "rows")
+    else:
+        check_offsets(offs, None, a.shape[1], "contraction elements")
+
+
+def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtype | None = None,
+               _validate: bool = True) -> torch.Tensor:
+    """Grouped matrix product with the contract of ``torch._grouped_mm``.
+
+    Forms:
+        * 2D x 3D (fprop, dgrad): ``a [M, K]``, ``b [E, K, N]``, ``offs`` int32 ``[E]`` cumulative
+          end rows of ``a``; returns ``[M, N]`` with rows of group ``e`` multiplied by ``b[e]``.
+          Rows past ``offs[-1]`` are unspecified (the reference writes zeros there).
+        * 2D x 2D (wgrad): ``a [N, T]``, ``b [T, K]``, ``offs`` int32 ``[E]`` cumulative end along
+          T; returns ``[E, N, K]``, ``out[e] = a[:, group e] @ b[group e]``; empty groups give zero.
+
+    Operands are both plain float tensors (bf16/fp16/fp32) or both :class:`MXTensor` quantized
+    along the contraction dim (``a.axis == 1``; ``b.axis`` = its K dim). MX products equal the
+    FP64 product of the dequantized operands up to FP32 summation order.
+
+    Args:
+        out_dtype: result dtype; default ``a.dtype`` for plain tensors, ``bfloat16`` for MX.
+    Raises:
+        TypeError: mixed operand kinds, non-float dtypes, mismatched dtypes, offs not int32.
+        ValueError: wrong ranks, contraction mismatch, wrong quantized axis, offsets not
+            non-decreasing, past the tensor, or a group count different from ``b.shape[0]``.
+    """
+    if _validate:
+        _check_grouped_operands(a, b, offs)
+    if _is_mx(a):
+        out_dtype = out_dtype or torch.bfloat16
+        if a.device.type == "cuda":
+            from mxmoe.kernels import dispatch
+
+            out = dispatch.mx_grouped_mm_cuda(a, b, offs, out_dtype)
+            if out is not None:
+                return out
+        acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+        return _reference_grouped_mm(a.dequantize(acc), b.dequantize(acc), offs, out_dtype)
+    out_dtype = out_dtype or a.dtype
+    if a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (a.is_cuda or a.device.type == "cpu"):
+        return torch._grouped_mm(a, b, offs, out_dtype=out_dtype)
+    return _reference_grouped_mm(a, b, offs, out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Expert linear layer: y = x W_e^T per group, with its three GEMMs
+# --------------------------------------------------------------------------------------------
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x.shape[0]) % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int) -> MXTensor:
+    """Expert weights ``[E, N, K]`` quantized along ``axis`` (-1: K for fprop, -2: N for dgrad)."""
+    block = (BLOCK, BLOCK) if recipe.weight_block == BLOCK else (1, BLOCK)
+    return quantize(w, axis=axis, scale_rule=recipe.scale_rule, block=block)
+
+
+class _MXGroupedLinear(torch.autograd.Function):
+    """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, recipe: Recipe):
+        rule = recipe.scale_rule
+        xq = quantize(x, axis=-1, scale_rule=rule)  # fprop operand: along K
+        wq = quantize_weight(w, recipe, axis=-1)  # [E, N, K] along K
+        y = grouped_mm(xq, wq.mT, offs, out_dtype=x.dtype, _validate=False)
+        # backward operands, quantized now so FP8 (not BF16) is what is kept
+        if recipe.wgrad_mxfp8:
+            x_saved = quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule)  # along tokens
+        else:
+            x_saved = x.detach().to(torch.bfloat16)
+        w_dgrad = wq.requantize_free_swap() if recipe.weight_block == BLOCK else None
+        ctx.recipe, ctx.x_saved, ctx.w_dgrad = recipe, x_saved, w_dgrad
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
+        ctx.save_for_backward(offs, w if w_dgrad is None else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe, rule = ctx.recipe, ctx.recipe.scale_rule
+        offs, w = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
+            dyq = quantize(dy, axis=-1, scale_rule=rule)
+            wq_n = ctx.w_dgrad if ctx.w_dgrad is not None else quantize_weight(w, recipe, axis=-2)
+            dx = grouped_mm(dyq, wq_n, offs, out_dtype=ctx.x_dtype, _validate=False)
+        if ctx.needs_input_grad[1]:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
+            if recipe.wgrad_mxfp8:
+                dyq_t = quantize(_pad_rows(dy, BLOCK), axis=0, scale_rule=rule).mT  # [N, M] along tokens
+                dw = grouped_mm(dyq_t, ctx.x_saved, offs, out_dtype=torch.float32, _validate=False)
+            else:
+                dw = grouped_mm(dy.to(torch.bfloat16).t(), ctx.x_saved, offs, _validate=False)
+            dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
+                   validate: bool = True) -> torch.Tensor:
+    """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
+
+    The three GEMMs (DESIGN §4): fprop contracts K (x and W quantized along K), dgrad contracts N
+    (dy along N, W along N), wgrad contracts tokens (dy and x along tokens); each operand is
+    quantized along its GEMM's contraction dim under an MXFP8 recipe.
+
+    Args:
+        x: ``[M, K]`` float activations, rows grouped by expert (group ends in ``offs``).
+        w: ``[E, N, K]`` float expert weights.
+        offs: int32 ``[E]`` cumulative end rows; rows past ``offs[-1]`` give unspecified output.
+        recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_bf16_wgrad"``, ``"fp32"``)
+            or a :class:`~mxmoe.recipes.Recipe`.
+        validate: check shapes and offsets (synchronizes with the GPU once).
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    Raises:
+        ValueError: shape mismatch, K or N not divisible by 32 under MXFP8, bad offsets.
+        TypeError: non-float inputs.
+    """
+    recipe = get_recipe(recipe)
+    if validate:
+        if x.dim() != 2 or w.dim() != 3:
+            raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+        if not (x.is_floating_point() and w.is_floating_point()):
+            raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
+        if x.shape[1] != w.shape[2]:
+            raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
+        if recipe.mxfp8 and (w.shape[1] % BLOCK or w.shape[2] % BLOCK):
+            raise ValueError(f"MXFP8 needs N and K divisible by {BLOCK}, got w of shape {tuple(w.shape)}")
+        check_offsets(offs, w.shape[0], x.shape[0])
+    if recipe.mxfp8:
+        return _MXGroupedLinear.apply(x, w, offs, recipe)
+    dt = getattr(torch, recipe.compute_dtype)
+    y = grouped_mm(x.to(dt), w.to(dt).mT, offs, _validate=False)
+    return y.to(x.dtype)

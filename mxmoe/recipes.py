@@ -1,0 +1,43 @@
+"""Named precision recipes for the expert matrix products."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the three GEMMs of an expert linear layer (fprop, dgrad, wgrad) are computed."""
+
+    name: str
+    mxfp8: bool = False  # quantize operands to MXFP8 along each GEMM's contraction dim
+    weight_block: int = 1  # 1: standard 1x32 weight blocks; 32: one scale per 32x32 weight tile
+    wgrad_mxfp8: bool = True  # False: wgrad in BF16 even under mxfp8
+    scale_rule: str = "rceil"  # E8M0 scale rule, "rceil" or "floor" (mxmoe.formats.ScaleRule)
+    compute_dtype: str = "bfloat16"  # operand dtype of the non-MX products ("float32" for the exact test recipe)
+    align: int = 32  # rows of each expert group are padded to a multiple of this (32 = one MX block of tokens)
+
+    def with_(self, **kw) -> "Recipe":
+        return replace(self, **kw)
+
+
+RECIPES: dict[str, Recipe] = {
+    "fp32": Recipe("fp32", compute_dtype="float32", align=1),  # exact reference, for tests
+    "bf16": Recipe("bf16", align=16),  # torch._grouped_mm, the baseline
+    "mxfp8": Recipe("mxfp8", mxfp8=True),  # 1x32 everywhere (OCP MX)
+    "mxfp8_2d": Recipe("mxfp8_2d", mxfp8=True, weight_block=32),  # 32x32 weight tiles
+    "mxfp8_bf16_wgrad": Recipe("mxfp8_bf16_wgrad", mxfp8=True, wgrad_mxfp8=False),
+}
+
+
+def get_recipe(recipe: "str | Recipe") -> Recipe:
+    """Look up a named recipe (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ...) or pass a Recipe through.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[recipe]

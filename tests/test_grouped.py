@@ -1,0 +1,127 @@
+"""Grouped products and the expert linear layer against FP64 references (CPU)."""
+
+import pytest
+import torch
+
+import mxmoe
+from mxmoe.ops import grouped_linear, grouped_mm
+
+
+def offsets(sizes):
+    return torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+def loop_2d3d(a, b, sizes):
+    out, s = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64), 0
+    for e, n in enumerate(sizes):
+        out[s:s + n] = a[s:s + n].double() @ b[e].double()
+        s += n
+    return out
+
+
+def loop_2d2d(a, b, sizes):
+    out, s = torch.zeros(len(sizes), a.shape[0], b.shape[1], dtype=torch.float64), 0
+    for e, n in enumerate(sizes):
+        out[e] = a[:, s:s + n].double() @ b[s:s + n].double()
+        s += n
+    return out
+
+
+def rel(x, y):
+    return ((x.double() - y.double()).norm() / y.double().norm()).item()
+
+
+SIZES = [0, 37, 0, 64, 5, 0]  # empty first, middle, last; odd sizes
+
+
+def test_mx_2d3d_matches_fp64_of_dequantized():
+    M, K, N = sum(SIZES), 96, 40
+    a, w = torch.randn(M, K), torch.randn(len(SIZES), N, K)
+    aq, wq = mxmoe.quantize(a), mxmoe.quantize(w)  # both along K
+    out = grouped_mm(aq, wq.mT, offsets(SIZES), out_dtype=torch.float32)
+    ref = loop_2d3d(aq.dequantize(torch.float64), wq.mT.dequantize(torch.float64), SIZES)
+    assert out.shape == (M, N) and rel(out, ref) < 1e-6
+    assert rel(grouped_mm(aq, wq.mT, offsets(SIZES)), ref) < 4e-3  # default BF16 output
+
+
+def test_mx_2d2d_wgrad_form_with_empty_groups():
+    sizes = [0, 64, 0, 32, 96, 0]
+    T, N, K = sum(sizes), 48, 80
+    dy, x = torch.randn(T, N), torch.randn(T, K)
+    dyq, xq = mxmoe.quantize(dy, axis=0), mxmoe.quantize(x, axis=0)
+    out = grouped_mm(dyq.mT, xq, offsets(sizes), out_dtype=torch.float32)
+    ref = loop_2d2d(dyq.mT.dequantize(torch.float64), xq.dequantize(torch.float64), sizes)
+    assert out.shape == (6, N, K) and rel(out, ref) < 1e-6
+    assert bool((out[[0, 2, 5]] == 0).all())
+
+
+def test_bf16_matches_torch_grouped_contract():
+    M, K, N = sum(SIZES), 64, 48
+    a = torch.randn(M, K, dtype=torch.bfloat16)
+    b = torch.randn(len(SIZES), K, N, dtype=torch.bfloat16)
+    out = grouped_mm(a, b, offsets(SIZES))
+    assert out.dtype == torch.bfloat16 and rel(out, loop_2d3d(a, b, SIZES)) < 1e-2
+
+
+def test_single_group_and_many_experts():
+    K, N = 64, 32
+    a, w = torch.randn(50, K), torch.randn(1, N, K)
+    out = grouped_mm(a, w.mT, offsets([50]), out_dtype=torch.float32)
+    assert rel(out, a.double() @ w[0].double().t()) < 1e-6
+    sizes = [3 * (e % 3) for e in range(40)]  # > 32 experts, a third of them empty
+    a, w = torch.randn(sum(sizes), K), torch.randn(40, N, K)
+    aq, wq = mxmoe.quantize(a), mxmoe.quantize(w)
+    out = grouped_mm(aq, wq.mT, offsets(sizes), out_dtype=torch.float32)
+    assert rel(out, loop_2d3d(aq.dequantize(), wq.mT.dequantize(), sizes)) < 1e-6
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d", "mxfp8_bf16_wgrad"])
+def test_grouped_linear_three_gemms_are_the_quantized_products(recipe):
+    r = mxmoe.RECIPES[recipe]
+    sizes = [32, 0, 64, 32]  # token groups aligned to 32, as the MoE layer pads them
+    M, K, N = sum(sizes), 64, 96
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(4, N, K, requires_grad=True)
+    dy = torch.randn(M, N)
+    y = grouped_linear(x, w, offsets(sizes), recipe)
+    y.backward(dy)
+    blk = (32, 32) if r.weight_block == 32 else 32
+    xd, wd = mxmoe.quantize(x.detach()).dequantize(torch.float64), mxmoe.quantize(w.detach(), block=blk).dequantize(torch.float64)
+    assert rel(y, loop_2d3d(xd, wd.mT, sizes)) < 1e-6  # fprop: x, W along K
+    dyd = mxmoe.quantize(dy).dequantize(torch.float64)
+    wn = mxmoe.quantize(w.detach(), axis=-2, block=blk).dequantize(torch.float64)
+    assert rel(x.grad, loop_2d3d(dyd, wn, sizes)) < 1e-6  # dgrad: dy, W along N
+    if r.wgrad_mxfp8:  # wgrad: dy, x along tokens
+        ref_dw = loop_2d2d(mxmoe.quantize(dy, axis=0).dequantize(torch.float64).t(),
+                           mxmoe.quantize(x.detach(), axis=0).dequantize(torch.float64), sizes)
+        assert rel(w.grad, ref_dw) < 1e-6
+    else:
+        ref_dw = loop_2d2d(dy.to(torch.bfloat16).t(), x.detach().to(torch.bfloat16), sizes)
+        assert rel(w.grad, ref_dw) < 1e-2
+    assert bool((w.grad[1] == 0).all())  # empty expert: zero gradient
+
+
+def test_grouped_linear_unaligned_groups_still_exact_math():
+    sizes = [5, 40, 0, 19]  # column blocks straddle groups: still the product of dequantized operands
+    M, K, N = sum(sizes), 32, 64
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(4, N, K, requires_grad=True)
+    grouped_linear(x, w, offsets(sizes), "mxfp8").sum().backward()
+    assert torch.isfinite(w.grad).all() and rel(w.grad[3], torch.ones(N, 19).double() @ x[-19:].detach().double()) < 0.1
+
+
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda: grouped_mm(torch.randn(8, 32), torch.randn(2, 32, 8), torch.tensor([4, 2], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (lambda: grouped_mm(torch.randn(8, 32), torch.randn(2, 32, 8), torch.tensor([4, 9], dtype=torch.int32)), ValueError, "past"),
+    (lambda: grouped_mm(torch.randn(8, 32), torch.randn(2, 32, 8), torch.tensor([4, 8])), TypeError, "int32"),
+    (lambda: grouped_mm(torch.randn(8, 32), torch.randn(3, 32, 8), torch.tensor([4, 8], dtype=torch.int32)), ValueError, "groups"),
+    (lambda: grouped_mm(torch.randn(8, 32), torch.randn(2, 16, 8), torch.tensor([4, 8], dtype=torch.int32)), ValueError, "contraction"),
+    (lambda: grouped_mm(torch.randn(8, 32), torch.randn(2, 32, 8, dtype=torch.float64), torch.tensor([4, 8], dtype=torch.int32)), TypeError, "dtypes differ"),
+    (lambda: grouped_mm(mxmoe.quantize(torch.randn(8, 32)), torch.randn(2, 32, 8), torch.tensor([4, 8], dtype=torch.int32)), TypeError, "both"),
+    (lambda: grouped_mm(mxmoe.quantize(torch.randn(32, 32), axis=0), mxmoe.quantize(torch.randn(2, 32, 32), axis=1),
+                        torch.tensor([4, 8], dtype=torch.int32)), ValueError, "contraction dim"),
+    (lambda: grouped_linear(torch.randn(8, 48), torch.randn(2, 32, 48), torch.tensor([4, 8], dtype=torch.int32)), ValueError, "divisible by 32"),
+])
+def test_bad_input(call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call()
