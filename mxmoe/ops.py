@@ -177,9 +177,9 @@ class _MXGroupedLinear(torch.autograd.Function):
     """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, recipe: Recipe):
+    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None):
         rule = recipe.scale_rule
-        xq = quantize(x, axis=-1, scale_rule=rule)  # fprop operand: along K
+        xq = x_mx if x_mx is not None else quantize(x, axis=-1, scale_rule=rule)  # fprop operand: along K
         wq = quantize_weight(w, recipe, axis=-1)  # [E, N, K] along K
         y = grouped_mm(xq, wq.mT, offs, out_dtype=x.dtype, _validate=False)
         # backward operands, quantized now so FP8 (not BF16) is what is kept
@@ -209,11 +209,11 @@ class _MXGroupedLinear(torch.autograd.Function):
             else:
                 dw = grouped_mm(dy.to(torch.bfloat16).t(), ctx.x_saved, offs, _validate=False)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
-                   validate: bool = True) -> torch.Tensor:
+                   validate: bool = True, x_mx: MXTensor | None = None) -> torch.Tensor:
     """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
 
     The three GEMMs (DESIGN §4): fprop contracts K (x and W quantized along K), dgrad contracts N
@@ -227,6 +227,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_bf16_wgrad"``, ``"fp32"``)
             or a :class:`~mxmoe.recipes.Recipe`.
         validate: check shapes and offsets (synchronizes with the GPU once).
+        x_mx: optional, ``x`` already quantized along K (e.g. tokens received in MXFP8 from an
+            expert-parallel dispatch; ``x`` is then its dequantized value, the autograd handle):
+            fprop uses it as is, with no second quantization.
     Returns:
         ``[M, N]`` in ``x.dtype``.
     Raises:
@@ -244,8 +247,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         if recipe.mxfp8 and (w.shape[1] % BLOCK or w.shape[2] % BLOCK):
             raise ValueError(f"MXFP8 needs N and K divisible by {BLOCK}, got w of shape {tuple(w.shape)}")
         check_offsets(offs, w.shape[0], x.shape[0])
+        if x_mx is not None and (x_mx.shape != x.shape or x_mx.axis != 1 or x_mx.block != (1, BLOCK)):
+            raise ValueError(f"x_mx must be x quantized along K with 1x32 blocks; got {x_mx!r} for x {tuple(x.shape)}")
     if recipe.mxfp8:
-        return _MXGroupedLinear.apply(x, w, offs, recipe)
+        return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx)
     dt = getattr(torch, recipe.compute_dtype)
     y = grouped_mm(x.to(dt), w.to(dt).mT, offs, _validate=False)
     return y.to(x.dtype)

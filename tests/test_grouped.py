@@ -125,3 +125,18 @@ def test_grouped_linear_unaligned_groups_still_exact_math():
 def test_bad_input(call, exc, msg):
     with pytest.raises(exc, match=msg):
         call()
+
+
+def test_prequantized_input_is_used_as_is_and_requantizing_is_lossless():
+    sizes = [32, 64]
+    x = torch.randn(96, 64)
+    w = torch.randn(2, 32, 64)
+    xq = mxmoe.quantize(x)
+    xd = xq.dequantize().requires_grad_()
+    y1 = grouped_linear(xd, w, offsets(sizes), "mxfp8", x_mx=xq)
+    y2 = grouped_linear(xd, w, offsets(sizes), "mxfp8")  # rceil re-quantization of MX values is exact
+    assert torch.equal(y1, y2)
+    y1.sum().backward()
+    assert xd.grad is not None and xd.grad.shape == x.shape
+    with pytest.raises(ValueError, match="x_mx"):
+        grouped_linear(xd, w, offsets(sizes), "mxfp8", x_mx=mxmoe.quantize(x, axis=0))
