@@ -123,10 +123,12 @@ class MXTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Return ``data * 2^(scale - 127)`` in ``dtype`` (NaN where the scale is NaN).
 
-        The product is formed in float64 (exact), then rounded once to ``dtype``.
+        The product is formed in float32 (float64 if asked for): an E4M3 value times a power of
+        two is exact there, or correctly rounded where it falls into FP32 subnormals.
         """
-        s = e8m0_to_float(self.scale, torch.float64).repeat_interleave(BLOCK, dim=self.axis)
-        return (self.data.to(torch.float64) * s).to(dtype)
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        s = e8m0_to_float(self.scale, work).repeat_interleave(BLOCK, dim=self.axis)
+        return (self.data.to(work) * s).to(dtype)
 
     def transpose(self, dim0: int, dim1: int) -> "MXTensor":
         """A view with two dims swapped (data and scale alike); the quantized axis follows."""
