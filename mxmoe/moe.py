@@ -55,7 +55,8 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     flat = experts.reshape(-1)
     n = flat.numel()
     M = padded_rows(n, num_experts, align)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync the GPU to size its output
     padded = (counts + align - 1) // align * align
     group_start = torch.cumsum(padded, 0) - padded  # padded start row of each expert
     order = torch.argsort(flat, stable=True)  # slots in expert order
