@@ -1,0 +1,314 @@
+"""MXFP8 quantization kernels (CUDA path of :func:`mxmoe.formats.quantize`), bit-identical to it.
+
+Public functions (all take BF16 / FP16 / FP32 CUDA tensors ``[M, K]`` or batched ``[B, M, K]``,
+e.g. expert weights ``[E, N, K]``; any strides, fastest when the last dim is contiguous):
+
+==========================  ===============================================================
+``quantize_rowwise``        data ``[.., M, K]`` + scales along K (``[.., M, K/32]``)
+``quantize_columnwise``     blocks along M, data written transposed ``[.., K, M]`` (M
+                            contiguous, the K-major operand of dgrad/wgrad) + scales
+                            ``[.., K, M/32]``
+``quantize_dual``           both of the above from one read of x
+``quantize_32x32``          one scale per 32x32 tile; both orientations from one read, same
+                            data bytes (DESIGN §2: 2D weight blocks)
+``quantize_grouped_rowwise``  grouped rows with int32 end offsets: rowwise data + scales
+                            written straight into the per-group 128-row-aligned blocked layout
+==========================  ===============================================================
+
+Scale layouts (``scale_layout``): ``"row_major"`` (the reference's ``[rows, cols]``) or
+``"blocked"`` (cuBLAS 128x4 layout of :mod:`mxmoe.layouts`, zero padding included; flat ``[n]``
+for 2D inputs, ``[B, n]`` for batched ones, i.e. one blocked matrix per expert).
+
+Exactness: data and scales equal :func:`mxmoe.formats.quantize` byte for byte (both scale rules,
+zero / subnormal / NaN / Inf blocks); the tests check it under ``TRITON_INTERPRET=1`` on CPU and
+on the GPU. The kernels are in :mod:`mxmoe.kernels.quantize_triton` (imported on first use, so
+``import mxmoe`` works without triton); tile choices are the ``_config_*`` functions below.
+
+Wrap results as :class:`~mxmoe.formats.MXTensor` with :func:`rowwise_mxtensor` /
+:func:`columnwise_mxtensor` (row-major scales only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mxmoe.formats import BLOCK, MXTensor, ScaleRule
+from mxmoe.layouts import blocked_group_offsets, blocked_numel
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LAYOUTS = ("row_major", "blocked")
+
+
+def _kernels():
+    """The triton kernel module, imported lazily (triton is an optional dependency)."""
+    try:
+        from mxmoe.kernels import quantize_triton
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("mxmoe.kernels.quantize needs triton (pip install 'mxmoe[gpu]')") from e
+    return quantize_triton
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile heuristics (kept out of the kernel bodies)
+# ----------------------------------------------------------------------------------------------
+
+def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int) -> tuple[int, int, int]:
+    """(BM, BK, num_warps) for mx_quantize_kernel.
+
+    Rowwise tiles are wide along K (long contiguous row segments, 16-byte loads); anything with a
+    columnwise output uses square-ish tiles so the transposed store also writes long runs along M.
+    Each program moves 16-32 KB of input: several programs per SM keep enough bytes in flight.
+    """
+    if _interpreting():  # few large programs: the interpreter's cost is per program
+        return 128, 256, 4
+    cfg = _TUNED.get(("col" if col else "") + ("row" if row else "") + ("32" if tile32 else ""))
+    if cfg is not None:
+        return cfg
+    if row and not col and not tile32:
+        return 32, 256, 4
+    return 64, 64, 4
+
+
+# Filled from benchmark sweeps on an H200 (benchmarks/bench_quantize.py --sweep).
+_TUNED: dict[str, tuple[int, int, int]] = {}
+
+
+def _config_grouped(K: int) -> tuple[int, int, int]:
+    """(BM, BK, num_warps) for mx_quantize_grouped_kernel (BM must divide 128)."""
+    if _interpreting():
+        return 128, 256, 4
+    cfg = _TUNED.get("grouped")
+    return cfg if cfg is not None else (32, 256, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+def _check(x: torch.Tensor, name: str, need_k32: bool, need_m32: bool) -> tuple[torch.Tensor, bool]:
+    """Validate x and return it as a 3D [B, M, K] view plus whether it was 2D."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{name} expects a bfloat16/float16/float32 tensor, got dtype {x.dtype}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{name} expects a 2D [M, K] or 3D [B, M, K] tensor, got shape {tuple(x.shape)}")
+    M, K = x.shape[-2], x.shape[-1]
+    if need_k32 and K % BLOCK:
+        raise ValueError(f"{name}: the last dim (K={K}) must be divisible by {BLOCK}")
+    if need_m32 and M % BLOCK:
+        raise ValueError(f"{name}: dim -2 (M={M}) must be divisible by {BLOCK} (columnwise blocks run along it)")
+    if not x.is_cuda and not _interpreting():
+        raise ValueError(f"{name} runs on CUDA tensors; got a tensor on {x.device} "
+                         "(use mxmoe.formats.quantize, the pure-torch reference, on CPU)")
+    was_2d = x.dim() == 2
+    return (x.unsqueeze(0) if was_2d else x), was_2d
+
+
+def _rule(scale_rule) -> int:
+    return 1 if ScaleRule(scale_rule) is ScaleRule.RCEIL else 0
+
+
+def _layout(scale_layout: str) -> bool:
+    if scale_layout not in _LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {_LAYOUTS}, got {scale_layout!r}")
+    return scale_layout == "blocked"
+
+
+def _alloc_scales(B: int, rows: int, cols: int, blocked: bool, device) -> torch.Tensor:
+    """uint8 scale storage (the kernels store bytes; callers view it as float8_e8m0fnu)."""
+    if blocked:
+        s = torch.empty(B, blocked_numel(rows, cols), dtype=torch.uint8, device=device)
+    else:
+        s = torch.empty(B, rows, cols, dtype=torch.uint8, device=device)
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: bool, tile32: bool, name: str):
+    blocked = _layout(scale_layout)
+    rceil = _rule(scale_rule)
+    x3, was_2d = _check(x, name, need_k32=row or tile32, need_m32=col or tile32)
+    B, M, K = x3.shape
+    dev = x.device
+
+    def finish(t, dtype):
+        return (t[0] if was_2d else t).view(dtype)
+
+    qr = sr = qc = sc = None
+    if row:
+        qr = torch.empty(B, M, K, dtype=torch.uint8, device=dev)
+        sr = _alloc_scales(B, M, K // BLOCK, blocked, dev)
+    if col:
+        qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev)
+        sc = _alloc_scales(B, K, M // BLOCK, blocked, dev)
+    if x3.numel() > 0 and B > 0:
+        BM, BK, num_warps = _config_2d(M, K, row, col, tile32, x.element_size())
+        cover = 128 if blocked else 1
+        m_cover = -(-M // cover) * cover
+        k_cover = -(-K // cover) * cover
+        grid = (triton_cdiv(m_cover, BM), triton_cdiv(k_cover, BK), B)
+        if grid[1] > 65535 or grid[2] > 65535:
+            raise ValueError(f"{name}: shape {tuple(x.shape)} exceeds the launch grid (K/{BK} and B must be <= 65535)")
+        dummy = qr if qr is not None else qc
+        _kernels().mx_quantize_kernel[grid](
+            x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
+            M, K, x3.stride(0), x3.stride(1), x3.stride(2),
+            sr[0].numel() if row else 0, sc[0].numel() if col else 0,
+            rceil,
+            ROW=row, COL=col, TILE32=tile32, ROW_BLOCKED=blocked, COL_BLOCKED=blocked,
+            BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps,
+        )
+    out = []
+    if row:
+        out += [finish(qr, torch.float8_e4m3fn), finish(sr, torch.float8_e8m0fnu)]
+    if col:
+        out += [finish(qc, torch.float8_e4m3fn), finish(sc, torch.float8_e8m0fnu)]
+    return tuple(out)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
+                     scale_layout: str = "row_major") -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along the last dim (1x32 blocks): the fprop operand form.
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]`` (e.g. weights ``[E, N, K]``), bfloat16/float16/float32, CUDA,
+            ``K % 32 == 0``; any strides.
+        scale_rule: ``"rceil"`` (default) or ``"floor"``.
+        scale_layout: ``"row_major"`` -> scales ``[.., M, K/32]``; ``"blocked"`` -> flat 128x4
+            blocked scales ``[.., blocked_numel(M, K/32)]`` (per batch entry), zero padded.
+    Returns:
+        ``(data, scale)``: ``float8_e4m3fn`` ``[.., M, K]`` contiguous, ``float8_e8m0fnu`` scales;
+        equal to ``formats.quantize(x, axis=-1)`` (and ``layouts.to_blocked`` of its scales).
+    Raises:
+        TypeError: bad dtype. ValueError: bad rank, ``K % 32 != 0``, CPU tensor, bad layout/rule.
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=True, col=False, tile32=False, name="quantize_rowwise")
+
+
+def quantize_columnwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
+                        scale_layout: str = "row_major") -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along dim -2 (32x1 blocks), data written transposed: the dgrad/wgrad operand form.
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]``, bfloat16/float16/float32, CUDA, ``M % 32 == 0``.
+        scale_rule, scale_layout: as :func:`quantize_rowwise`.
+    Returns:
+        ``(data_t, scale_t)``: ``float8_e4m3fn`` ``[.., K, M]`` contiguous (M fastest) and scales
+        ``[.., K, M/32]`` (or blocked of that matrix). ``data_t.mT`` equals
+        ``formats.quantize(x, axis=-2).data``; see :func:`columnwise_mxtensor`.
+    Raises:
+        TypeError / ValueError as :func:`quantize_rowwise` (``M % 32`` instead of ``K % 32``).
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=False, col=True, tile32=False, name="quantize_columnwise")
+
+
+def quantize_dual(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", scale_layout: str = "row_major"):
+    """Rowwise and columnwise MXFP8 of x from one read (``M % 32 == K % 32 == 0``).
+
+    Returns:
+        ``(data, scale, data_t, scale_t)`` as :func:`quantize_rowwise` then
+        :func:`quantize_columnwise`.
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=True, col=True, tile32=False, name="quantize_dual")
+
+
+def quantize_32x32(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", scale_layout: str = "row_major",
+                   transposed: bool = True):
+    """MXFP8 with one scale per 32x32 tile (2D weight blocks), both orientations from one read.
+
+    Args:
+        x: ``[N, K]`` or ``[E, N, K]`` weights, ``N % 32 == K % 32 == 0``, CUDA.
+        scale_rule, scale_layout: as :func:`quantize_rowwise`.
+        transposed: also write the transposed copy (else only ``(data, scale)`` is returned).
+    Returns:
+        ``(data, scale, data_t, scale_t)``: ``data`` ``[.., N, K]`` with scales ``[.., N, K/32]``
+        (equal to ``formats.quantize(x, axis=-1, block=(32, 32))``); ``data_t`` ``[.., K, N]`` (the
+        same bytes transposed) with scales ``[.., K, N/32]`` (``formats.quantize(x, axis=-2,
+        block=(32, 32))`` transposed). Scales are stored replicated (standard 1x32 MX tensors).
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=True, col=transposed, tile32=True, name="quantize_32x32")
+
+
+def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
+                             padded_rows: int | None = None):
+    """Rowwise MXFP8 of expert-grouped rows, scales written in the per-group blocked layout.
+
+    Args:
+        x: ``[M, K]`` bfloat16/float16/float32, CUDA, ``K % 32 == 0``; rows sorted by group.
+        offs: int32 ``[E]`` cumulative end rows of the groups (non-decreasing, ``offs[-1] <= M``;
+            empty groups allowed); on the same device as x.
+        scale_rule: ``"rceil"`` or ``"floor"``.
+        padded_rows: capacity, in scale rows, of the blocked output. ``None`` (default) computes
+            the exact ``sum ceil(n_g/128)*128``, which syncs with the host once; pass any value
+            ``>=`` that (e.g. ``(ceil(M/128) + E) * 128``, always enough) to stay asynchronous:
+            rows past the last group are then zero.
+    Returns:
+        ``(data, scale, blocked_offs)``: ``float8_e4m3fn`` ``[M, K]`` (all rows, also those past
+        ``offs[-1]``), flat ``float8_e8m0fnu`` scales of ``padded_rows * ceil(K/128)*4`` entries,
+        and int32 ``[E]`` padded end offsets. With ``padded_rows=None`` ``(scale, blocked_offs)``
+        equal ``layouts.to_blocked_grouped(formats.quantize(x).scale, offs)``.
+    Raises:
+        TypeError / ValueError as :func:`quantize_rowwise`; ValueError for bad ``offs``.
+    """
+    rceil = _rule(scale_rule)
+    if not isinstance(offs, torch.Tensor) or offs.dim() != 1 or offs.dtype != torch.int32:
+        raise ValueError("offs must be a 1D int32 tensor of cumulative group end rows")
+    x3, was_2d = _check(x, "quantize_grouped_rowwise", need_k32=True, need_m32=False)
+    if not was_2d:
+        raise ValueError(f"quantize_grouped_rowwise expects a 2D [M, K] tensor, got shape {tuple(x.shape)}")
+    if offs.device != x.device:
+        raise ValueError(f"offs is on {offs.device}, x on {x.device}")
+    M, K = x.shape
+    E = offs.numel()
+    blocked_offs = blocked_group_offsets(offs)
+    if padded_rows is None:
+        padded_rows = int(blocked_offs[-1]) if E > 0 else 0
+    if padded_rows % 128:
+        raise ValueError(f"padded_rows must be a multiple of 128, got {padded_rows}")
+    cols = K // BLOCK
+    data = torch.empty(M, K, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(padded_rows * triton_cdiv(cols, 4) * 4, dtype=torch.uint8, device=x.device)
+    n_tiles = max(triton_cdiv(M, 128) + E, padded_rows // 128)
+    if n_tiles > 0 and K > 0:
+        BM, BK, num_warps = _config_grouped(K)
+        grid = (n_tiles * (128 // BM), triton_cdiv(triton_cdiv(K, 128) * 128, BK))
+        EP = max(16, 1 << max(E - 1, 0).bit_length())
+        _kernels().mx_quantize_grouped_kernel[grid](
+            x, data, scale, offs, M, K, x.stride(0), x.stride(1), E, padded_rows, rceil,
+            EP=EP, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps,
+        )
+    return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_offs
+
+
+# ----------------------------------------------------------------------------------------------
+# MXTensor views
+# ----------------------------------------------------------------------------------------------
+
+def rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, scale_rule: str = "rceil",
+                     block: tuple[int, int] = (1, BLOCK)) -> MXTensor:
+    """MXTensor of :func:`quantize_rowwise` / :func:`quantize_32x32` output (row-major scales)."""
+    return MXTensor(data, scale, data.dim() - 1, ScaleRule(scale_rule).value, block)
+
+
+def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule: str = "rceil",
+                        block: tuple[int, int] = (1, BLOCK)) -> MXTensor:
+    """Logical ``[.., M, K]`` MXTensor quantized along dim -2, a view of columnwise output.
+
+    ``data_t`` ``[.., K, M]`` / ``scale_t`` ``[.., K, M/32]`` (row-major) are the K-major storage;
+    the result's ``.contiguous()`` data and scale equal ``formats.quantize(x, axis=-2)``.
+    """
+    return MXTensor(data_t, scale_t, data_t.dim() - 1, ScaleRule(scale_rule).value, block).mT

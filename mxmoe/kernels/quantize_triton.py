@@ -1,0 +1,259 @@
+"""Triton kernels of MXFP8 quantization (the bodies only; launch glue and tile choices live in
+:mod:`mxmoe.kernels.quantize`). Importing this module imports triton.
+
+Every kernel views its tile of ``x`` as 4D ``[BM/32, 32, BK/32, 32]`` (row block ``mb``, row in block
+``i``, column block ``nb``, column in block ``j``), so the three block shapes are reductions of one
+tensor::
+
+        rowwise (1x32 along K)     columnwise (32x1 along M)     2D (32x32)
+        max over axis 3            max over axis 1               max over axes 1 and 3
+        -> [MB, 32, NB]            -> [MB, NB, 32]               -> [MB, NB]
+
+The block max is taken on the integer bits ``bits & 0x7FFFFFFF`` of the FP32 value: for finite
+values that is the bit pattern of ``max |x|``, and any NaN/Inf (exponent field 0xFF) wins the
+integer max, so "non-finite block" is simply ``E == 0xFF`` -- no NaN-dropping float max, no
+``isnan`` pass. Scale byte (formats.scale_byte_from_amax): ``E - 8 (+1 if rceil and m > 0x600000)``,
+clamped to [0, 254], 0xFF for non-finite blocks. A finite block gives a byte <= 247, so the
+multiplier ``2^(127 - byte)`` is always a normal FP32 number built from its bits (exponent field
+``254 - byte``), and ``x * 2^(127 - byte)`` is exact (no overflow: ``|x * mult| < 512``; results
+below FP32's normal range are < 2^-126 and round to a signed zero in E4M3 either way).
+
+E4M3 rounding: on the GPU, triton's fp32 -> float8e4nv conversion (``cvt.rn.satfinite.e4m3x2.f32``
+on sm_90: round to nearest even, saturating to +-448). Under ``TRITON_INTERPRET=1`` triton's numpy
+conversion rounds half away from zero and truncates subnormals, so the interpreter path
+(``SOFT_CVT``) rounds with integer arithmetic instead (RNE, subnormals kept, same bits).
+Blocks with NaN/Inf get data 0x7F and scale 0xFF.
+
+Indexing: rows and batch indices are widened to int64 before they are multiplied by strides, so
+tensors past 2^31 elements address correctly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _to_f32(x):
+    """Exact upcast to FP32. BF16 goes through its bits (<< 16): the interpreter's own BF16
+    conversion mishandles subnormals, and on the GPU this is what the conversion does anyway."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _e8m0_from_amax_bits(amax_bits, rceil):
+    """E8M0 byte (int32) from the FP32 bits of a block's |max| (NaN/Inf -> 255)."""
+    e = amax_bits >> 23
+    mant = amax_bits & 0x7FFFFF
+    byte = e - 8 + ((mant > 0x600000) & (rceil != 0)).to(tl.int32)
+    byte = tl.minimum(tl.maximum(byte, 0), 254)
+    return tl.where(e == 255, 255, byte)
+
+
+@triton.jit
+def _pow2_from_byte(byte):
+    """2^(127 - byte) as FP32 (exact and normal for byte in [0, 247], i.e. every finite block);
+    a quiet NaN for byte 255, so a non-finite block's elements all become NaN."""
+    return tl.where(byte == 255, 0x7FC00000, (254 - byte) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_bits_soft(q):
+    """fp32 -> E4M3 byte (int32), round to nearest even, subnormals kept, |q| <= 448 assumed."""
+    b = q.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    # normal E4M3 (|q| >= 2^-6): keep 3 mantissa bits, RNE on the 20 dropped ones, rebias 127 -> 7
+    r = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+    code_n = r - (120 << 3)
+    # subnormal E4M3 (|q| < 2^-6): round |q| * 2^9 to an integer, RNE, on the integer significand
+    e = a >> 23
+    mant = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+    sh = tl.minimum(141 - tl.maximum(e, 1), 31)
+    qn = mant >> sh
+    rem = mant & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    qn = qn + ((rem > half) | ((rem == half) & ((qn & 1) == 1))).to(tl.int32)
+    code = tl.where(a >= (121 << 23), code_n, qn)
+    return code | sign
+
+
+@triton.jit
+def _quantize_elems(x, byte, SOFT_CVT: tl.constexpr):
+    """E4M3 bytes (uint8) of x (fp32) scaled by 2^(127 - byte); 0x7F where byte == 255.
+
+    GPU: x * NaN is NaN and cvt.rn.satfinite turns NaN into 0x7F, so bad blocks need no
+    per-element select (the tests check 0x7F bit for bit). Interpreter: explicit select.
+    """
+    q = x * _pow2_from_byte(byte)
+    if SOFT_CVT:
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        return tl.where(byte == 255, 0x7F, _e4m3_bits_soft(q)).to(tl.uint8)
+    else:
+        return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _blocked_index(r, c, n_col_tiles):
+    """Offset of scale entry (r, c) in the cuBLAS 128x4 blocked layout (layouts.to_blocked)."""
+    return ((r // 128) * n_col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + (c % 4)
+
+
+@triton.jit
+def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, n_col_tiles, BLOCKED: tl.constexpr):
+    """Store scale bytes of entries (r, c) of a [n_rows, n_cols] scale matrix, row-major or blocked.
+
+    Blocked stores also write the zero padding (rows up to a multiple of 128, columns up to a
+    multiple of 4): the caller passes byte 0 there (a zero block).
+    """
+    r64 = r.to(tl.int64)
+    if BLOCKED:
+        mask = (r < ((n_rows + 127) // 128) * 128) & (c < n_col_tiles * 4)
+        tl.store(s_ptr + _blocked_index(r64, c, n_col_tiles), byte.to(tl.uint8), mask=mask)
+    else:
+        mask = (r < n_rows) & (c < n_cols)
+        tl.store(s_ptr + r64 * n_cols + c, byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def mx_quantize_kernel(
+    x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
+    M, K,
+    stride_xb, stride_xm, stride_xk,
+    sr_stride_b, sc_stride_b,
+    rceil,
+    ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
+    ROW_BLOCKED: tl.constexpr, COL_BLOCKED: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    """Quantize one [BM, BK] tile of x[b] ([B, M, K], any strides) to MXFP8.
+
+    ROW: data qr[b] [M, K] + scales sr[b] [M, K/32] (1x32 blocks along K, or the 32x32 tile's).
+    COL: data qc[b] [K, M] (x transposed, M contiguous) + scales sc[b] [K, M/32] (blocks along M).
+    TILE32: one scale per 32x32 tile; ROW and COL outputs then hold the same data bytes.
+    Grid: (cdiv(M_cover, BM), cdiv(K_cover, BK), B); the cover extends M and K to multiples of
+    128 when a blocked scale layout needs its zero padding written.
+
+        K ->  nb=0     nb=1  ...          one program:
+      M  +--------+--------+              [BM, BK] tile -> 4D [BM/32, 32, BK/32, 32]
+      |  | 32x32  | 32x32  |              row blocks: 1 x 32 (along K)
+      v  +--------+--------+              col blocks: 32 x 1 (along M)
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    MB: tl.constexpr = BM // 32
+    NB: tl.constexpr = BK // 32
+    # 2D load (the compiler lays threads along K: 16-byte loads), then a 4D view for the reductions
+    m = pid_m * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
+    k = pid_k * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    m64 = m.to(tl.int64)
+    k64 = k.to(tl.int64)
+    in_bounds = (m < M) & (k < K)
+    x = tl.load(x_ptr + pid_b * stride_xb + m64 * stride_xm + k64 * stride_xk, mask=in_bounds, other=0.0)
+    x = tl.reshape(_to_f32(x), (MB, 32, NB, 32))
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    plane = pid_b * M * K  # offset of batch b in the [B, M, K] / [B, K, M] data outputs
+    mb = tl.arange(0, MB)
+    ii = tl.arange(0, 32)
+    nb = tl.arange(0, NB)
+    jj = tl.arange(0, 32)
+    if TILE32:
+        byte = _e8m0_from_amax_bits(tl.max(tl.max(bits, axis=3), axis=1), rceil)  # [MB, NB]
+        byte4 = byte[:, None, :, None]
+        d = tl.reshape(_quantize_elems(x, byte4, SOFT_CVT), (BM, BK))
+        if ROW:
+            tl.store(qr_ptr + plane + m64 * K + k, d, mask=in_bounds)
+            r = pid_m * BM + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
+            c = pid_k * NB + nb[None, None, :]  # [1, 1, NB]
+            s = tl.broadcast_to(byte[:, None, :], (MB, 32, NB))
+            _store_scales(sr_ptr + pid_b * sr_stride_b, r, c, s, M, K // 32, (K // 32 + 3) // 4, ROW_BLOCKED)
+        if COL:
+            tl.store(qc_ptr + plane + k64 * M + m, d, mask=in_bounds)
+            r = pid_k * BK + nb[None, :, None] * 32 + jj[None, None, :]  # [1, NB, 32]
+            c = pid_m * MB + mb[:, None, None]  # [MB, 1, 1]
+            s = tl.broadcast_to(byte[:, :, None], (MB, NB, 32))
+            _store_scales(sc_ptr + pid_b * sc_stride_b, r, c, s, K, M // 32, (M // 32 + 3) // 4, COL_BLOCKED)
+    else:
+        if ROW:
+            byte = _e8m0_from_amax_bits(tl.max(bits, axis=3), rceil)  # [MB, 32, NB]
+            byte4 = byte[:, :, :, None]
+            d = tl.reshape(_quantize_elems(x, byte4, SOFT_CVT), (BM, BK))
+            tl.store(qr_ptr + plane + m64 * K + k, d, mask=in_bounds)
+            r = pid_m * BM + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
+            c = pid_k * NB + nb[None, None, :]  # [1, 1, NB]
+            _store_scales(sr_ptr + pid_b * sr_stride_b, r, c, byte, M, K // 32, (K // 32 + 3) // 4, ROW_BLOCKED)
+        if COL:
+            byte = _e8m0_from_amax_bits(tl.max(bits, axis=1), rceil)  # [MB, NB, 32]
+            byte4 = byte[:, None, :, :]
+            d = tl.reshape(_quantize_elems(x, byte4, SOFT_CVT), (BM, BK))
+            tl.store(qc_ptr + plane + k64 * M + m, d, mask=in_bounds)
+            r = pid_k * BK + nb[None, :, None] * 32 + jj[None, None, :]  # [1, NB, 32]
+            c = pid_m * MB + mb[:, None, None]  # [MB, 1, 1]
+            _store_scales(sc_ptr + pid_b * sc_stride_b, r, c, byte, K, M // 32, (M // 32 + 3) // 4, COL_BLOCKED)
+
+
+@triton.jit
+def mx_quantize_grouped_kernel(
+    x_ptr, q_ptr, s_ptr, offs_ptr,
+    M, K, stride_xm, stride_xk,
+    n_groups, padded_rows, rceil,
+    EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    """Rowwise MXFP8 of grouped rows x [M, K], scales straight into the per-group blocked layout.
+
+    Group g holds rows [offs[g-1], offs[g]) and owns ceil(n_g/128)*128 rows of the blocked scale
+    tensor (layouts.to_blocked_grouped). Program (t, pid_k) handles the BM padded scale rows
+    starting at p = t*BM (BM divides 128): it finds the group whose padded span holds p from the
+    offsets alone (no host sync), quantizes the matching input rows, and writes zero scales for
+    the padding rows. Programs past the last group's padded rows quantize the tail rows
+    [offs[-1], M) (data only; their scale rows, up to padded_rows, are written as zeros).
+    Grid: (max(cdiv(M,128) + n_groups, padded_rows/128) * 128/BM, cdiv(ceil128(K), BK)).
+    """
+    t = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    p = t * BM
+    # -- which group owns padded rows [p, p + BM)
+    g = tl.arange(0, EP)
+    gmask = g < n_groups
+    ends = tl.load(offs_ptr + g, mask=gmask, other=0)
+    starts = tl.load(offs_ptr + g - 1, mask=gmask & (g > 0), other=0)
+    tiles = tl.where(gmask, (ends - starts + 127) // 128, 0)
+    pad_end = tl.cumsum(tiles, 0) * 128
+    pad_start = pad_end - tiles * 128
+    sel = gmask & (p >= pad_start) & (p < pad_end)
+    in_group = tl.sum(sel.to(tl.int32), 0) > 0
+    pad_total = tl.sum(tiles, 0) * 128
+    last_end = tl.max(tl.where(gmask, ends, 0), 0)
+    row0 = tl.where(in_group, tl.sum(tl.where(sel, starts + (p - pad_start), 0), 0), last_end + (p - pad_total))
+    row_end = tl.where(in_group, tl.sum(tl.where(sel, ends, 0), 0), M)
+    # -- the tile
+    MB: tl.constexpr = BM // 32
+    NB: tl.constexpr = BK // 32
+    mb = tl.arange(0, MB)
+    ii = tl.arange(0, 32)
+    nb = tl.arange(0, NB)
+    jj = tl.arange(0, 32)
+    local = mb[:, None, None, None] * 32 + ii[None, :, None, None]  # [MB, 32, 1, 1]
+    m = row0 + local
+    k = pid_k * BK + nb[None, None, :, None] * 32 + jj[None, None, None, :]
+    m64 = m.to(tl.int64)
+    in_bounds = (m < row_end) & (m < M) & (k < K)
+    x = tl.load(x_ptr + m64 * stride_xm + k.to(tl.int64) * stride_xk, mask=in_bounds, other=0.0)
+    x = _to_f32(x)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    byte = _e8m0_from_amax_bits(tl.max(bits, axis=3), rceil)  # [MB, 32, NB]
+    byte4 = byte[:, :, :, None]
+    d = _quantize_elems(x, byte4, SOFT_CVT)
+    tl.store(q_ptr + m64 * K + k, d, mask=in_bounds)
+    # -- scales: padded rows p + local; rows outside any group (tail) get zeros
+    byte = tl.where(in_group, byte, 0)
+    r = p + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
+    c = pid_k * NB + nb[None, None, :]  # [1, 1, NB]
+    n_col_tiles = (K // 32 + 3) // 4
+    mask = (r < padded_rows) & (c < n_col_tiles * 4)
+    tl.store(s_ptr + _blocked_index(r.to(tl.int64), c, n_col_tiles), byte.to(tl.uint8), mask=mask)

@@ -1,0 +1,418 @@
+"""MXFP8 quantization kernels (mxmoe.kernels.quantize) against the pure-torch reference, bit for bit.
+
+* CPU (CI): the Triton kernels run under ``TRITON_INTERPRET=1``. That variable must be set before
+  triton is imported, and other test files import triton normally, so all interpreter cases run in
+  ONE subprocess (this file run as a script with ``--cases``); each case is then reported as its
+  own test. Skipped when triton is not installed.
+* GPU (``-m gpu``): the same cases on CUDA plus real shapes and a tensor past 2^31 elements;
+  skipped without CUDA.
+
+Every case compares data and scale bytes with :func:`mxmoe.formats.quantize` (and
+:mod:`mxmoe.layouts` for blocked scales) on random inputs with a wide dynamic range
+(``randn * 2^randint(-20, 20)`` per row) plus special blocks (zero, subnormal, NaN, +-Inf, rceil
+mantissa boundary, FP32 max, mixed huge/tiny).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from mxmoe.formats import quantize  # noqa: E402
+from mxmoe.layouts import blocked_group_offsets, to_blocked, to_blocked_grouped  # noqa: E402
+
+RULES = ("rceil", "floor")
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+def wide_randn(shape, dtype, device, gen):
+    """randn * 2^randint(-20, 20) per row (rows = all dims but the last)."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    e = torch.randint(-20, 21, (*shape[:-1], 1), generator=gen).to(torch.float32)
+    return (x * torch.exp2(e)).to(dtype).to(device)
+
+
+def with_special_blocks(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Overwrite some 32-blocks along ``axis`` of a 2D/3D tensor with edge-case contents."""
+    xm = x.movedim(axis, -1).clone()  # blocks along the last dim now
+    flat = xm.reshape(-1, xm.shape[-1])
+    n_rows, L = flat.shape
+    nb = L // 32
+    fp32 = x.dtype == torch.float32
+    tiny = 1e-40 if fp32 else 1e-39  # FP32 subnormal (bf16 keeps FP32's exponent range)
+    specials = [
+        lambda b: b.zero_(),
+        lambda b: b.fill_(-0.0),
+        lambda b: b.copy_(torch.linspace(-1, 1, 32) * tiny),            # subnormal block
+        lambda b: b.copy_(torch.arange(32.0) * 1.5e-45) if fp32 else b.fill_(tiny),
+        lambda b: b.__setitem__(5, float("nan")),
+        lambda b: b.__setitem__(0, float("inf")),
+        lambda b: b.__setitem__(31, float("-inf")),
+        lambda b: b.copy_(torch.full((32,), 448.0 * 2**-3)),           # amax mantissa == 0x600000
+        lambda b: b.__setitem__(3, 448.0 * 2**-3 * (1 + 2**-7)),       # just above the rceil boundary
+        lambda b: b.__setitem__(7, 3.0e38 if fp32 else 3.0e38),          # near FP32 max
+        lambda b: (b.__setitem__(0, 2.0**100), b.__setitem__(1, -2.0**-100), b.__setitem__(2, 2.0**-20)),
+        lambda b: b.mul_(2.0**-130),                                     # whole block subnormal-ish
+    ]
+    for i, fn in enumerate(specials):
+        r, c = (7 * i + 3) % n_rows, (5 * i + 1) % nb
+        blk = flat[r, c * 32:(c + 1) * 32].to(torch.float32)
+        fn(blk)
+        flat[r, c * 32:(c + 1) * 32] = blk.to(x.dtype)
+    return flat.reshape(xm.shape).movedim(-1, axis).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparisons
+# ------------------------------------------------------------------------------------------------
+
+def same_bytes(got: torch.Tensor, want: torch.Tensor, what: str):
+    got_b, want_b = got.view(torch.uint8).cpu(), want.contiguous().view(torch.uint8).cpu()
+    assert got_b.shape == want_b.shape, f"{what}: shape {tuple(got_b.shape)} != {tuple(want_b.shape)}"
+    bad = (got_b != want_b).nonzero()
+    assert bad.numel() == 0, (f"{what}: {bad.shape[0]} of {got_b.numel()} bytes differ; first at "
+                              f"{bad[0].tolist()}: got {got_b[tuple(bad[0])]:#04x} want {want_b[tuple(bad[0])]:#04x}")
+
+
+def blocked_per_batch(scale: torch.Tensor) -> torch.Tensor:
+    """Reference blocked layout of [.., rows, cols] scales, one blocked matrix per batch entry."""
+    if scale.dim() == 2:
+        return to_blocked(scale)
+    return torch.stack([to_blocked(s) for s in scale])
+
+
+def _ref_input(x):
+    """Reference inputs: small tensors on the CPU, large ones where they are (the reference is
+    pure torch and runs on CUDA too)."""
+    return x.cpu() if x.numel() <= 1 << 22 else x
+
+
+def check_rowwise(Q, x, rule, layout, tag):
+    ref = quantize(_ref_input(x), axis=-1, scale_rule=rule)
+    data, scale = Q.quantize_rowwise(x, rule, layout)
+    same_bytes(data, ref.data, f"{tag} rowwise data")
+    same_bytes(scale, ref.scale if layout == "row_major" else blocked_per_batch(ref.scale), f"{tag} rowwise scale")
+
+
+def check_columnwise(Q, x, rule, layout, tag):
+    ref = quantize(_ref_input(x), axis=-2, scale_rule=rule)
+    data_t, scale_t = Q.quantize_columnwise(x, rule, layout)
+    same_bytes(data_t, ref.data.mT, f"{tag} columnwise data")
+    want = ref.scale.mT.contiguous()
+    same_bytes(scale_t, want if layout == "row_major" else blocked_per_batch(want), f"{tag} columnwise scale")
+    if layout == "row_major":
+        mx = Q.columnwise_mxtensor(data_t, scale_t, rule)
+        assert mx.axis == x.dim() - 2 and tuple(mx.shape) == tuple(x.shape)
+        same_bytes(mx.data.contiguous(), ref.data, f"{tag} columnwise MXTensor data")
+        same_bytes(mx.scale.contiguous(), ref.scale, f"{tag} columnwise MXTensor scale")
+
+
+def check_dual(Q, x, rule, layout, tag):
+    r = quantize(_ref_input(x), axis=-1, scale_rule=rule)
+    c = quantize(_ref_input(x), axis=-2, scale_rule=rule)
+    d, s, dt, st = Q.quantize_dual(x, rule, layout)
+    blk = (lambda t: t) if layout == "row_major" else blocked_per_batch
+    same_bytes(d, r.data, f"{tag} dual row data")
+    same_bytes(s, blk(r.scale), f"{tag} dual row scale")
+    same_bytes(dt, c.data.mT, f"{tag} dual col data")
+    same_bytes(st, blk(c.scale.mT.contiguous()), f"{tag} dual col scale")
+
+
+def check_32x32(Q, x, rule, layout, tag):
+    r = quantize(_ref_input(x), axis=-1, scale_rule=rule, block=(32, 32))
+    c = quantize(_ref_input(x), axis=-2, scale_rule=rule, block=(32, 32))
+    d, s, dt, st = Q.quantize_32x32(x, rule, layout)
+    blk = (lambda t: t) if layout == "row_major" else blocked_per_batch
+    same_bytes(d, r.data, f"{tag} 32x32 data")
+    same_bytes(s, blk(r.scale), f"{tag} 32x32 scale")
+    same_bytes(dt, c.data.mT, f"{tag} 32x32 transposed data")
+    same_bytes(dt, d.mT, f"{tag} 32x32 transposed data == data.mT")
+    same_bytes(st, blk(c.scale.mT.contiguous()), f"{tag} 32x32 transposed scale")
+
+
+def check_grouped(Q, x, offs_list, rule, tag, extra_rows=0):
+    offs = torch.tensor(offs_list, dtype=torch.int32)
+    ref = quantize(_ref_input(x), axis=-1, scale_rule=rule)
+    want_scale, want_offs = to_blocked_grouped(ref.scale, offs)
+    padded = None
+    if extra_rows:
+        padded = int(blocked_group_offsets(offs)[-1]) + extra_rows if len(offs_list) else extra_rows
+    data, scale, boffs = Q.quantize_grouped_rowwise(x, offs.to(x.device), rule, padded_rows=padded)
+    same_bytes(data, ref.data, f"{tag} grouped data")
+    same_bytes(boffs.cpu(), want_offs, f"{tag} grouped blocked offsets")
+    if extra_rows:
+        n = want_scale.numel()
+        assert scale.numel() == padded * (-(-x.shape[1] // 128) * 4), f"{tag}: capacity"
+        same_bytes(scale[:n], want_scale, f"{tag} grouped scale")
+        assert int(scale.view(torch.uint8)[n:].to(torch.int32).abs().sum()) == 0, f"{tag}: padding rows not zero"
+    else:
+        same_bytes(scale, want_scale, f"{tag} grouped scale")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases: name -> fn(Q, device, gen). Small odd shapes: cheap under the interpreter.
+# ------------------------------------------------------------------------------------------------
+
+def _case_rowwise(Q, dev, gen):
+    for dt in DTYPES:
+        for rule in RULES:
+            x = with_special_blocks(wide_randn((100, 224), dt, "cpu", gen), -1).to(dev)
+            for layout in ("row_major", "blocked"):
+                check_rowwise(Q, x, rule, layout, f"{dt} {rule} {layout}")
+
+
+def _case_columnwise(Q, dev, gen):
+    for dt in DTYPES:
+        for rule in RULES:
+            x = with_special_blocks(wide_randn((96, 72), dt, "cpu", gen), 0).to(dev)
+            for layout in ("row_major", "blocked"):
+                check_columnwise(Q, x, rule, layout, f"{dt} {rule} {layout}")
+
+
+def _case_dual(Q, dev, gen):
+    for dt in DTYPES:
+        for rule in RULES:
+            x = wide_randn((160, 96), dt, "cpu", gen)
+            x = with_special_blocks(with_special_blocks(x, -1), 0).to(dev)
+            for layout in ("row_major", "blocked"):
+                check_dual(Q, x, rule, layout, f"{dt} {rule} {layout}")
+
+
+def _case_batched_weights(Q, dev, gen):
+    """[E, N, K] weights: rowwise, columnwise ([E, K, N] data) and dual, per-expert blocked scales."""
+    for dt in DTYPES:
+        w = wide_randn((3, 64, 96), dt, "cpu", gen)
+        w[1] = with_special_blocks(w[1], -1)
+        w = w.to(dev)
+        for rule, layout in (("rceil", "row_major"), ("floor", "blocked")):
+            check_rowwise(Q, w, rule, layout, f"{dt} {rule} {layout}")
+            check_columnwise(Q, w, rule, layout, f"{dt} {rule} {layout}")
+            check_dual(Q, w, rule, layout, f"{dt} {rule} {layout}")
+
+
+def _case_32x32(Q, dev, gen):
+    for dt in DTYPES:
+        for rule in RULES:
+            w = wide_randn((2, 64, 160), dt, "cpu", gen)
+            w[0] = with_special_blocks(w[0], -1)
+            w = w.to(dev)
+            for layout in ("row_major", "blocked"):
+                check_32x32(Q, w, rule, layout, f"{dt} {rule} {layout}")
+            check_32x32(Q, w[1], rule, "row_major", f"{dt} {rule} 2D")
+
+
+def _case_grouped(Q, dev, gen):
+    M, K = 300, 96
+    for dt in DTYPES:
+        for rule in RULES:
+            x = with_special_blocks(wide_randn((M, K), dt, "cpu", gen), -1).to(dev)
+            check_grouped(Q, x, [0, 37, 37, 200, 290, 290], rule, f"{dt} {rule} empty first/middle/last, tail rows")
+    x = with_special_blocks(wide_randn((M, K), torch.bfloat16, "cpu", gen), -1).to(dev)
+    check_grouped(Q, x, [M], "rceil", "single group")
+    check_grouped(Q, x, [128, 256, 300], "floor", "128-aligned, async capacity", extra_rows=256)
+    offs = sorted(torch.randint(0, M + 1, (34,), generator=gen).tolist())
+    check_grouped(Q, x, offs, "rceil", "34 random groups (> 32 experts), async capacity", extra_rows=128)
+
+
+def _case_noncontiguous(Q, dev, gen):
+    base = wide_randn((96, 256), torch.bfloat16, "cpu", gen).to(dev)
+    xt = base.t()  # [256, 96], strides (1, 256)
+    check_rowwise(Q, xt, "rceil", "row_major", "transposed input")
+    check_columnwise(Q, xt, "floor", "blocked", "transposed input")
+    xs = base[:, ::2]  # [96, 128], stride 2 along K
+    check_dual(Q, xs, "rceil", "row_major", "strided input")
+    check_32x32(Q, xs, "rceil", "row_major", "strided input")
+    check_grouped(Q, base[:, 64:160], [40, 96], "rceil", "column slice")
+
+
+def _case_wide_k_scale_cols(Q, dev, gen):
+    """K/32 not a multiple of 4 (K = 1408 -> 44 cols; K = 96 -> 3 cols) in blocked layout."""
+    x = wide_randn((40, 1408), torch.bfloat16, "cpu", gen).to(dev)
+    check_rowwise(Q, x, "rceil", "blocked", "K=1408")
+    check_grouped(Q, x, [0, 13, 40], "rceil", "K=1408")
+
+
+CASES = {
+    "rowwise": _case_rowwise,
+    "columnwise": _case_columnwise,
+    "dual": _case_dual,
+    "batched_weights": _case_batched_weights,
+    "32x32": _case_32x32,
+    "grouped": _case_grouped,
+    "noncontiguous": _case_noncontiguous,
+    "wide_k_scale_cols": _case_wide_k_scale_cols,
+}
+
+
+def run_cases(device: str) -> dict[str, str | None]:
+    """Run every case; name -> None (passed) or the failure message."""
+    from mxmoe.kernels import quantize as Q
+
+    out = {}
+    for name, fn in CASES.items():
+        gen = torch.Generator().manual_seed(hash(name) % 2**31)
+        try:
+            t0 = time.time()
+            fn(Q, device, gen)
+            print(f"case {name}: {time.time() - t0:.1f} s", file=sys.stderr)
+            out[name] = None
+        except Exception as e:  # report, keep going
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: interpreter cases in one subprocess
+# ------------------------------------------------------------------------------------------------
+
+def _have_triton() -> bool:
+    try:
+        import importlib.util
+        return importlib.util.find_spec("triton") is not None
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    if not _have_triton():
+        pytest.skip("triton not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--cases"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreter(interpreter_results, case):
+    err = interpreter_results[case]
+    assert err is None, err
+
+
+def test_import_does_not_need_triton():
+    code = "import sys, mxmoe, mxmoe.kernels.quantize; assert 'triton' not in sys.modules, 'triton imported'"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_input_errors():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("CPU tensors are accepted by the interpreter")
+    from mxmoe.kernels import quantize as Q
+
+    x = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="CUDA"):
+        Q.quantize_rowwise(x)
+    with pytest.raises(TypeError, match="dtype"):
+        Q.quantize_rowwise(x.to(torch.int32))
+    with pytest.raises(TypeError, match="dtype"):
+        Q.quantize_rowwise(x.to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="divisible"):
+        Q.quantize_rowwise(torch.randn(64, 48, device="meta"))
+    with pytest.raises(ValueError, match="divisible"):
+        Q.quantize_columnwise(torch.randn(48, 64, device="meta"))
+    with pytest.raises(ValueError, match="2D"):
+        Q.quantize_rowwise(torch.randn(64, device="meta"))
+    with pytest.raises(ValueError, match="scale_layout"):
+        Q.quantize_rowwise(torch.randn(64, 64, device="meta"), scale_layout="tiled")
+    with pytest.raises(ValueError):
+        Q.quantize_rowwise(torch.randn(64, 64, device="meta"), scale_rule="round")
+    with pytest.raises(ValueError, match="offs"):
+        Q.quantize_grouped_rowwise(torch.randn(64, 64, device="meta"), torch.tensor([64]))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _poison_cuda_cache():
+    """Fill freed blocks of the caching allocator with 0xAB so unwritten outputs show up."""
+    blobs = [torch.full((n,), 0xAB, dtype=torch.uint8, device="cuda") for n in (1 << 20, 1 << 24, 1 << 27)]
+    del blobs
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_cases(case):
+    _poison_cuda_cache()
+    gen = torch.Generator().manual_seed(1234 + len(case))
+    from mxmoe.kernels import quantize as Q
+
+    CASES[case](Q, "cuda", gen)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_real_shapes(dtype):
+    """Activations 4096 x 7168 and weights 4 x 1536 x 2048, all kernels, both rules, bit-exact."""
+    from mxmoe.kernels import quantize as Q
+
+    gen = torch.Generator().manual_seed(7)
+    x = with_special_blocks(wide_randn((4096, 7168), dtype, "cpu", gen), -1).cuda()
+    w = wide_randn((4, 1536, 2048), dtype, "cpu", gen).cuda()
+    for rule in RULES:
+        _poison_cuda_cache()
+        check_rowwise(Q, x, rule, "blocked", "act")
+        check_columnwise(Q, x, rule, "row_major", "act")
+        check_dual(Q, x, rule, "blocked", "act")
+        check_32x32(Q, w, rule, "row_major", "weights")
+        check_dual(Q, w, rule, "row_major", "weights")
+        sizes = torch.distributions.Dirichlet(torch.ones(128)).sample() * 4096
+        offs = torch.cumsum(sizes.floor().to(torch.int64), 0).clamp(max=4096)
+        offs[:3] = 0  # empty experts first
+        offs[-1] = 4096
+        check_grouped(Q, x, offs.tolist(), rule, "act 128 groups")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_past_2_31_elements():
+    """x [65600, 32768] bf16 (2.15e9 elements): indices past 2^31 in input and outputs."""
+    from mxmoe.kernels import quantize as Q
+
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip("needs ~24 GiB of free GPU memory")
+    M, K = 65600, 32768
+    assert M * K > 2**31
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    x[-7:, -40:] *= 2.0**40
+    x[-1, -3] = float("nan")
+    d, s, dt, st = Q.quantize_dual(x, "rceil", "row_major")
+    tail_r = quantize(x[-64:], axis=-1)
+    same_bytes(d[-64:], tail_r.data, "rows past 2^31 data")
+    same_bytes(s[-64:], tail_r.scale, "rows past 2^31 scale")
+    tail_c = quantize(x[:, -64:], axis=0)  # the last 64 rows of data_t (k near K: k*M + m > 2^31)
+    same_bytes(dt[-64:], tail_c.data.t(), "transposed rows past 2^31 data")
+    same_bytes(st[-64:], tail_c.scale.t(), "transposed rows past 2^31 scale")
+    del d, s, dt, st
+    _, sb = Q.quantize_rowwise(x, "rceil", "blocked")  # last 128-row tile holds rows 65536..65599
+    same_bytes(sb[-128 * (K // 32):], to_blocked(quantize(x[-(M % 128):], axis=-1).scale), "blocked scales, last tile")
+
+
+if __name__ == "__main__" and "--cases" in sys.argv:
+    results = run_cases("cuda" if "--cuda" in sys.argv else "cpu")
+    print("RESULTS " + json.dumps(results))
