@@ -70,9 +70,7 @@ def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int
     cfg = _TUNED.get(("col" if col else "") + ("row" if row else "") + ("32" if tile32 else ""))
     if cfg is not None:
         return cfg
-    if row and not col and not tile32:
-        return 32, 256, 4
-    return 64, 64, 4
+    return 32, 256, 4
 
 
 # Filled from benchmark sweeps on an H200 (benchmarks/bench_quantize.py --sweep).

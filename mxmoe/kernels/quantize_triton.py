@@ -119,7 +119,7 @@ def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, n_col_tiles, BLOCKED: tl.co
         tl.store(s_ptr + r64 * n_cols + c, byte.to(tl.uint8), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rceil"])
 def mx_quantize_kernel(
     x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
     M, K,
@@ -197,7 +197,7 @@ def mx_quantize_kernel(
             _store_scales(sc_ptr + pid_b * sc_stride_b, r, c, byte, K, M // 32, (M // 32 + 3) // 4, COL_BLOCKED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rceil"])
 def mx_quantize_grouped_kernel(
     x_ptr, q_ptr, s_ptr, offs_ptr,
     M, K, stride_xm, stride_xk,

@@ -1,0 +1,301 @@
+"""Bandwidth of the MXFP8 quantization kernels against a device-to-device copy, same run, same GPU.
+
+    PYTHONPATH=. python3 benchmarks/bench_quantize.py [--out benchmarks/results/h200/quantize.json] [--sweep]
+
+Effective bandwidth = (bytes read + bytes written, scales included) / median time
+(``triton.testing.do_bench``, warm-up first). ``copy_tbps`` is a device-to-device copy moving the
+same number of bytes (read + write), timed in the same run; ``ratio = tbps / copy_tbps``. Every
+input is larger than the 60 MB L2, so no rotation is needed. Inputs are random (never zeros).
+
+Shapes (BF16): activations 32768x7168, 131072x2048, 16384x5120; weights 8x28672x4096,
+128x1536x2048. Kernels: rowwise (row-major / blocked scales), columnwise (transposed data),
+dual, weights (1x32 both orientations = dual of [E, N, K]; 32x32 both orientations), grouped
+rowwise with blocked per-group scales (8 and 128 balanced groups); peers: the pure-torch
+reference ``mxmoe.quantize`` on CUDA and torchao's MXFP8 cast if it imports.
+``--sweep`` also times a few tile configurations per kernel (rows tagged ``sweep``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mxmoe.formats import quantize  # noqa: E402
+from mxmoe.kernels import quantize as Q  # noqa: E402
+from mxmoe.layouts import blocked_group_offsets, blocked_numel, to_blocked  # noqa: E402
+
+ACTS = [(32768, 7168), (131072, 2048), (16384, 5120)]
+WEIGHTS = [(8, 28672, 4096), (128, 1536, 2048)]
+SWEEP = {  # _TUNED key -> candidate (BM, BK, num_warps)
+    "row": [(32, 256, 4), (64, 256, 8), (32, 512, 4), (64, 128, 4)],
+    "col": [(32, 256, 4), (32, 512, 8), (64, 256, 4), (64, 128, 4)],
+    "colrow": [(32, 256, 4), (32, 512, 8), (64, 256, 4), (64, 128, 4)],
+    "colrow32": [(32, 256, 4), (32, 512, 8), (64, 256, 4), (64, 128, 4)],
+    "grouped": [(32, 256, 4), (64, 256, 8), (32, 512, 4), (128, 128, 8)],
+}
+
+
+DEV = "cuda"
+
+
+def bench_ms(fn) -> float:
+    if DEV != "cuda":  # --dry-run: one timed call, only to exercise this script on a CPU
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+_copy_cache: dict[int, float] = {}
+
+
+def copy_tbps(total_bytes: int) -> float:
+    """Device-to-device copy of total_bytes/2 bytes (read + write = total_bytes), TB/s."""
+    n = total_bytes // 2 // 16 * 16
+    if n not in _copy_cache:
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+        dst = torch.empty_like(src)
+        ms = bench_ms(lambda: dst.copy_(src))
+        _copy_cache[n] = 2 * n / ms / 1e9
+        del src, dst
+    return _copy_cache[n]
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def wide_randn(shape) -> torch.Tensor:
+    x = torch.randn(shape, device=DEV, dtype=torch.float32)
+    x *= torch.exp2(torch.randint(-20, 21, (*shape[:-1], 1), device=DEV).to(torch.float32))
+    return x.to(torch.bfloat16)
+
+
+def balanced_offs(M: int, E: int) -> torch.Tensor:
+    return (torch.arange(1, E + 1, device=DEV, dtype=torch.int64) * M // E).to(torch.int32)
+
+
+def cases(x: torch.Tensor, is_weight: bool):
+    """(kernel name, _TUNED key or None, fn) for one input."""
+    out = []
+    if not is_weight:
+        out += [
+            ("rowwise", "row", lambda: Q.quantize_rowwise(x)),
+            ("rowwise_blocked", "row", lambda: Q.quantize_rowwise(x, scale_layout="blocked")),
+            ("columnwise", "col", lambda: Q.quantize_columnwise(x)),
+            ("dual", "colrow", lambda: Q.quantize_dual(x)),
+        ]
+        M, K = x.shape
+        for E in (8, 128):
+            offs = balanced_offs(M, E)
+            cap = int(blocked_group_offsets(offs)[-1])
+            out.append((f"grouped_{E}", "grouped",
+                        (lambda offs=offs, cap=cap: Q.quantize_grouped_rowwise(x, offs, padded_rows=cap))))
+    else:
+        out += [
+            ("weight_rowwise_blocked", "row", lambda: Q.quantize_rowwise(x, scale_layout="blocked")),
+            ("weight_columnwise", "col", lambda: Q.quantize_columnwise(x)),
+            ("weight_1x32_both", "colrow", lambda: Q.quantize_dual(x)),
+            ("weight_32x32_both", "colrow32", lambda: Q.quantize_32x32(x)),
+        ]
+    return out
+
+
+def check(name: str, x: torch.Tensor, out) -> None:
+    """Bit-exactness spot check against the reference (first rows / experts only)."""
+    if name.startswith("grouped"):
+        return  # covered by the tests (needs the per-group layout reference)
+    sub = x[:2] if x.dim() == 3 else x[:256]
+    want = []
+    if name in ("rowwise", "weight_rowwise_blocked", "rowwise_blocked"):
+        r = quantize(sub, axis=-1)
+        s = r.scale if name == "rowwise" else (torch.stack([to_blocked(t) for t in r.scale]) if x.dim() == 3 else None)
+        want = [(out[0][:sub.shape[0]], r.data)] + ([(out[1][:sub.shape[0]], s)] if s is not None else [])
+    elif name in ("columnwise", "weight_columnwise"):
+        c = quantize(sub, axis=-2)
+        if x.dim() == 3:
+            want = [(out[0][:2], c.data.mT), (out[1][:2], c.scale.mT)]
+        else:
+            want = [(out[0][:, :256], c.data.mT), (out[1][:, :8], c.scale.mT)]
+    elif name in ("dual", "weight_1x32_both"):
+        r = quantize(sub, axis=-1)
+        want = [(out[0][:sub.shape[0]], r.data), (out[1][:sub.shape[0]], r.scale)]
+    elif name == "weight_32x32_both":
+        r = quantize(sub, axis=-1, block=(32, 32))
+        want = [(out[0][:2], r.data), (out[1][:2], r.scale), (out[2][:2], r.data.mT)]
+    for got, ref in want:
+        if not torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)):
+            raise AssertionError(f"{name}: output differs from the reference")
+
+
+def torchao_fn(x: torch.Tensor):
+    """torchao's MXFP8 cast (rowwise), or None with the reason."""
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor as AoMX  # type: ignore
+    except Exception as e:  # noqa: BLE001
+        return None, f"torchao not importable here ({type(e).__name__}: {e})"
+    return (lambda: AoMX.to_mx(x, torch.float8_e4m3fn, 32)), None
+
+
+def _precompile_worker(jobs):
+    """Compile kernels by launching them on tiny inputs (same specializations as the real shapes:
+    every size a multiple of 16, unit inner stride); fills triton's on-disk cache."""
+    for key, cfg in jobs:
+        Q._TUNED[key] = tuple(cfg)
+        for is_weight in (False, True):
+            x = wide_randn((2, 256, 512) if is_weight else (512, 512))
+            for _, k, fn in cases(x, is_weight):
+                if k == key:
+                    fn()
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(workers: int = 8) -> None:
+    """Compile every (kernel, config) of the run in parallel processes before timing anything."""
+    import multiprocessing as mp
+
+    jobs = [(k, c) for k, cfgs in SWEEP.items() for c in cfgs]
+    jobs += [(k, None) for k in SWEEP]  # the default configs
+    jobs = [(k, c if c is not None else _default_cfg(k)) for k, c in jobs]
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        pool.map(_precompile_worker, chunks)
+
+
+def _default_cfg(key: str):
+    if key == "grouped":
+        return Q._config_grouped(4096)
+    return Q._config_2d(4096, 4096, row="row" in key, col="col" in key, tile32=key.endswith("32"), itemsize=2)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/h200/quantize.json")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
+    ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-torch reference")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N",
+                    help="first compile all kernels in N parallel processes (fresh machines)")
+    ap.add_argument("--precompile-only", action="store_true", help="compile, then exit")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks this script, times nothing)")
+    args = ap.parse_args()
+    global DEV, ACTS, WEIGHTS
+    if args.dry_run:
+        DEV, ACTS, WEIGHTS = "cpu", [(256, 384)], [(2, 128, 256)]
+    import triton
+
+    t_start = time.time()
+    if args.precompile and DEV == "cuda":
+        precompile(args.precompile)
+        print(f"precompiled in {time.time() - t_start:.1f} s", flush=True)
+        if args.precompile_only:
+            return
+    meta = {
+        "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": "bfloat16",
+        "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
+        "bytes": "input read + data and scales written",
+        "tuned": {k: list(v) for k, v in Q._TUNED.items()},
+    }
+    rows = []
+    notes = []
+
+    def record(kernel, shape, total_bytes, ms, config="auto", extra=None):
+        cp = copy_tbps(total_bytes)
+        tb = total_bytes / ms / 1e9
+        row = {"kernel": kernel, "shape": "x".join(map(str, shape)), "config": config, "bytes": total_bytes,
+               "ms": round(ms, 5), "tbps": round(tb, 4), "copy_tbps": round(cp, 4), "ratio": round(tb / cp, 4),
+               "gpu": meta["gpu"]}
+        if extra:
+            row.update(extra)
+        rows.append(row)
+        print(f"{kernel:24s} {row['shape']:>16s} {config:>14s} {ms * 1e3:9.1f} us {tb:6.3f} TB/s "
+              f"copy {cp:6.3f}  {100 * tb / cp:5.1f}%", flush=True)
+
+    shapes = [(s, False) for s in ACTS] + [(s, True) for s in WEIGHTS]
+    for shape, is_weight in shapes:
+        x = wide_randn(shape)
+        in_bytes = nbytes(x)
+        for name, key, fn in cases(x, is_weight):
+            out = fn()
+            sync()
+            check(name, x, out)
+            total = in_bytes + nbytes(*[t for t in out if isinstance(t, torch.Tensor) and t.dtype != torch.int32])
+            del out
+            if args.sweep and key is not None and name in ("rowwise", "columnwise", "dual", "grouped_8",
+                                                           "weight_columnwise", "weight_1x32_both",
+                                                           "weight_32x32_both", "weight_rowwise_blocked"):
+                saved = Q._TUNED.get(key)
+                for cfg in SWEEP[key]:
+                    Q._TUNED[key] = cfg
+                    try:
+                        fn()
+                        record(name, shape, total, bench_ms(fn), config="sweep " + "/".join(map(str, cfg)))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"sweep {name} {cfg}: {type(e).__name__}: {e}", flush=True)
+                if saved is None:
+                    Q._TUNED.pop(key, None)
+                else:
+                    Q._TUNED[key] = saved
+            record(name, shape, total, bench_ms(fn))
+        # peers
+        if not args.no_reference:
+            ref_fn = (lambda: quantize(x, axis=-1))
+            out = ref_fn()
+            total = in_bytes + nbytes(out.data, out.scale)
+            del out
+            sync()
+            record("torch_reference_rowwise", shape, total, bench_ms(ref_fn))
+        if not is_weight:
+            fn, why = torchao_fn(x)
+            if fn is None:
+                if why not in notes:
+                    notes.append(why)
+            else:
+                try:
+                    out = fn()
+                    total = in_bytes + nbytes(out.qdata if hasattr(out, "qdata") else out._data, out._scale_e8m0)
+                    record("torchao_mxfp8_rowwise", shape, total, bench_ms(fn))
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"torchao failed: {type(e).__name__}: {e}")
+        del x
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+
+    meta["notes"] = notes
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}")
+    for n in notes:
+        print("note:", n)
+    print(f"{'kernel':24s} {'shape':>16s} {'TB/s':>7s} {'copy':>7s} {'% copy':>7s}")
+    for r in rows:
+        if r["config"] == "auto":
+            print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%")
+    print(f"wall {meta['wall_s']} s -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
