@@ -173,21 +173,51 @@ def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int) -> MXTensor:
     return quantize(w, axis=axis, scale_rule=recipe.scale_rule, block=block)
 
 
+def quantize_dual(x: torch.Tensor, scale_rule: str = "rceil") -> tuple[MXTensor, MXTensor]:
+    """``x [M, K]`` quantized along K and along M (``M % 32 == 0``): one read on CUDA."""
+    if x.is_cuda:
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_dual_cuda(x, scale_rule)
+        if out is not None:
+            return out
+    return quantize(x, -1, scale_rule), quantize(x, 0, scale_rule)
+
+
+def quantize_weight_both(w: torch.Tensor, recipe: Recipe) -> tuple[MXTensor, MXTensor]:
+    """32x32-block weights ``[E, N, K]`` along K (fprop) and along N (dgrad): one quantization."""
+    if w.is_cuda:
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule)
+        if out is not None:
+            return out
+    wq = quantize_weight(w, recipe, axis=-1)
+    return wq, wq.requantize_free_swap()
+
+
 class _MXGroupedLinear(torch.autograd.Function):
     """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights."""
 
     @staticmethod
     def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None):
         rule = recipe.scale_rule
-        xq = x_mx if x_mx is not None else quantize(x, axis=-1, scale_rule=rule)  # fprop operand: along K
-        wq = quantize_weight(w, recipe, axis=-1)  # [E, N, K] along K
+        x_saved = None
+        if x_mx is not None:
+            xq = x_mx
+        elif recipe.wgrad_mxfp8 and x.shape[0] % BLOCK == 0:  # fprop (along K) + wgrad (along tokens) operands
+            xq, x_saved = quantize_dual(x.detach(), rule)
+        else:
+            xq = quantize(x, axis=-1, scale_rule=rule)
+        if recipe.weight_block == BLOCK:  # one quantization serves fprop and dgrad
+            wq, w_dgrad = quantize_weight_both(w, recipe)
+        else:
+            wq, w_dgrad = quantize_weight(w, recipe, axis=-1), None  # [E, N, K] along K
         y = grouped_mm(xq, wq.mT, offs, out_dtype=x.dtype, _validate=False)
         # backward operands, quantized now so FP8 (not BF16) is what is kept
-        if recipe.wgrad_mxfp8:
-            x_saved = quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule)  # along tokens
-        else:
-            x_saved = x.detach().to(torch.bfloat16)
-        w_dgrad = wq.requantize_free_swap() if recipe.weight_block == BLOCK else None
+        if x_saved is None:
+            x_saved = (quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule) if recipe.wgrad_mxfp8
+                       else x.detach().to(torch.bfloat16))  # along tokens
         ctx.recipe, ctx.x_saved, ctx.w_dgrad = recipe, x_saved, w_dgrad
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
         ctx.save_for_backward(offs, w if w_dgrad is None else None)
