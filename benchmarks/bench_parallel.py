@@ -252,7 +252,7 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))
         print(f"wrote {out}")
-    dist.destroy_process_group()
+    parallel.shutdown_distributed()
 
 
 def print_shape(name: str, res: dict) -> None:

@@ -23,8 +23,8 @@ which is what the tests check.
 Backward runs the same two exchanges in reverse (autograd functions around the all-to-alls):
 gradients travel in the activation dtype (BF16 in BF16 training), or in ``combine_dtype``.
 
-Training with ``torchrun`` (see :func:`maybe_init_distributed`, :func:`convert_to_expert_parallel`,
-:func:`allreduce_gradients`, :func:`clip_grad_norm_`, :func:`full_state_dict`).
+Training with ``torchrun``: :func:`maybe_init_distributed`, :func:`convert_to_expert_parallel`,
+:func:`allreduce_gradients`, :func:`clip_grad_norm_`, :func:`full_state_dict`, :func:`shutdown_distributed`.
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ def maybe_init_distributed(backend: str | None = None, timeout_s: float | None =
         kwargs["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(backend, **kwargs)
     return dist.group.WORLD
+
+
+def shutdown_distributed() -> None:
+    """End of a distributed run: wait for every rank, then destroy the default process group
+    (a gloo rank that tears down while its peer is still working can abort). No-op if none."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _check_same_config(config: dict[str, float], group) -> None:
@@ -306,10 +314,12 @@ class ExpertParallelMoE(MoE):
                   combine_dtype=None) -> "ExpertParallelMoE":
         """This rank's share of a single-process :class:`MoE`: same settings and router, its expert slice.
 
-        The result lives on ``moe``'s device and dtypes. Collective (config check, router broadcast).
+        The result lives on ``moe``'s device and dtypes; the CPU RNG state is left unchanged.
+        Collective (config check, router broadcast).
         """
-        ep = cls(moe.dim, moe.ffn_dim, moe.num_experts, moe.top_k, moe.recipe, ep_group, dispatch_dtype,
-                 combine_dtype, moe.aux_loss_coef, moe.renormalize)
+        with torch.random.fork_rng(devices=[]):  # the throw-away init leaves the CPU RNG stream as it was
+            ep = cls(moe.dim, moe.ffn_dim, moe.num_experts, moe.top_k, moe.recipe, ep_group, dispatch_dtype,
+                     combine_dtype, moe.aux_loss_coef, moe.renormalize)
         ep.load_from_full(moe)
         return ep
 

@@ -106,6 +106,9 @@ class TinyModel(nn.Module):
         return x
 
 
+CLIP, LR = 1.0, 0.1  # the gradient norm is ~11: clipping acts
+
+
 def build_model(device: str = "cpu"):
     torch.manual_seed(123)
     model = TinyModel("mxfp8")
@@ -157,16 +160,20 @@ def _rank_model(rank: int, device: str) -> dict:
     full_state = {k: v.clone() for k, v in model.state_dict().items()}
     model = parallel.convert_to_expert_parallel(model)
     parallel.sync_replicated_parameters(model)
-    gathered = parallel.full_state_dict(model)
+    gathered = {k: v.clone() for k, v in parallel.full_state_dict(model).items()}  # (aliases live params)
     rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
     loss = (model(x[rows]) * g[rows]).sum() / TOKENS  # this rank's mean loss
     loss.backward()
     parallel.allreduce_gradients(model)
-    norm = parallel.clip_grad_norm_(model, max_norm=1e9)  # measure only
+    grads = {n: p.grad.cpu().clone() for n, p in model.named_parameters()}
+    norm = parallel.clip_grad_norm_(model, max_norm=CLIP)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
     return {"types": [type(b["moe"]).__name__ for b in model.blocks],
             "state_equal": sorted(gathered) == sorted(full_state)
             and all(torch.equal(gathered[k].cpu(), full_state[k].cpu()) for k in full_state),
-            "grads": {n: p.grad.cpu() for n, p in model.named_parameters()}, "norm": norm.item()}
+            "grads": grads, "norm": norm.item(),
+            "stepped": {k: v.cpu() for k, v in parallel.full_state_dict(model).items()},
+            "root": type(parallel.convert_to_expert_parallel(MoE(64, 64, 4, 2))).__name__}
 
 
 def _worker(rank: int, port: int, out_dir: str, device: str) -> None:
@@ -174,14 +181,14 @@ def _worker(rank: int, port: int, out_dir: str, device: str) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
         torch.set_num_threads(1)
-        from mxmoe.parallel import maybe_init_distributed
+        from mxmoe.parallel import maybe_init_distributed, shutdown_distributed
 
         group = maybe_init_distributed(backend="nccl" if device == "cuda" else "gloo", timeout_s=60)
         assert group is not None
         dev = f"cuda:{rank}" if device == "cuda" else "cpu"
         result = {"cases": _rank_cases(rank, dev), "errors": _rank_errors(rank), "model": _rank_model(rank, dev)}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        torch.distributed.destroy_process_group()
+        shutdown_distributed()  # barrier first: gloo aborts a rank that tears down while its peer works
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
@@ -208,7 +215,9 @@ def run_ranks(out_dir, device: str) -> list[dict]:
         p.kill()
         p.join()
     errs = [(out_dir / f"rank{r}.err").read_text() for r in range(WORLD) if (out_dir / f"rank{r}.err").exists()]
-    assert not hung and not errs, f"rank processes failed (hung: {len(hung)}):\n" + "\n".join(errs)
+    codes = [p.exitcode for p in procs]
+    assert not hung and not errs and codes == [0] * WORLD, \
+        f"rank processes failed (hung: {len(hung)}, exit codes {codes}):\n" + "\n".join(errs)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -301,11 +310,15 @@ def check_model(ranks, device, tol):
     model, x, g = build_model(device)
     x.requires_grad_()
     ((model(x) * g).sum() / (WORLD * TOKENS)).backward()
-    ref = {n: p.grad for n, p in model.named_parameters()}
-    ref_norm = torch.cat([v.reshape(-1) for v in ref.values()]).norm().item()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
     for r in ranks:
         assert r["model"]["types"] == ["ExpertParallelMoE"] * 2 and r["model"]["state_equal"]
+        assert r["model"]["root"] == "ExpertParallelMoE"
         assert abs(r["model"]["norm"] - ref_norm) < tol * ref_norm
+        for k, want in model.state_dict().items():  # one clipped SGD step: the same model
+            assert rel(r["model"]["stepped"][k], want) < tol, k
     for n, want in ref.items():
         if n.endswith(("w13", "w2")):  # local experts: rank 0 then rank 1
             got = torch.cat([r["model"]["grads"][n] for r in ranks])
