@@ -14,10 +14,12 @@ Supported blocks (matched by class name, so no model module is imported here):
     Qwen2MoeSparseMoeBlock     softmax -> top_k -> renormalize if           shared expert * sigmoid(shared gate)
                                ``norm_topk_prob``
     Qwen3MoeSparseMoeBlock     as Qwen2-MoE                                 -
+    OlmoeSparseMoeBlock        as Qwen2-MoE                                 -
     DeepseekV3MoE              sigmoid + ``e_score_correction_bias`` for    shared experts (ungated)
                                choice, grouped top-k (``n_group``,
                                ``topk_group``), renormalize if
                                ``norm_topk_prob``, * ``routed_scaling_factor``
+    Glm4MoeMoE                 as DeepSeek-V3                               shared experts (ungated)
     =========================  ==========================================  ==================================
 
 Expert storage read (all seen across transformers versions): fused 3D parameters ``gate_up_proj``
@@ -68,6 +70,8 @@ SUPPORTED_BLOCKS: dict[str, BlockSpec] = {
     "Qwen2MoeSparseMoeBlock": BlockSpec("softmax", None, shared="shared_expert", shared_gate="shared_expert_gate"),
     "Qwen3MoeSparseMoeBlock": BlockSpec("softmax", None),
     "DeepseekV3MoE": BlockSpec("sigmoid", None, shared="shared_experts"),
+    "OlmoeSparseMoeBlock": BlockSpec("softmax", None),  # as Qwen3-MoE
+    "Glm4MoeMoE": BlockSpec("sigmoid", None, shared="shared_experts"),  # as DeepSeek-V3
 }
 
 
@@ -381,7 +385,9 @@ def _probe_returns_tuple(block: nn.Module, D: int) -> bool:
         out = block(torch.zeros(1, 2, D, device=p.device, dtype=_activation_dtype(block)))
     except Exception:  # e.g. weights on the meta device: fall back on the transformers major version
         import transformers
-        return int(transformers.__version__.split(".")[0]) < 5 and type(block).__name__ != "DeepseekV3MoE"
+
+        major = int(transformers.__version__.split(".")[0])
+        return major < 5 and SUPPORTED_BLOCKS[type(block).__name__].scoring == "softmax"
     finally:
         block.train(was_training)
     return isinstance(out, tuple)
