@@ -5,7 +5,7 @@ and MoE layer forward+backward at EP=2 against EP=1, same run, same GPUs.
         [--out benchmarks/results/h200x2/parallel.json] [--tokens 8192] [--shapes mixtral-8x7b,qwen3-30b-a3b] [--tiny]
 
 Every rank routes ``--tokens`` BF16 tokens of its own per step (random data, random router:
-roughly balanced; ``--skew`` biases it, some experts empty).
+roughly balanced; ``--skew``: Zipf-like, the last eighth of the experts (almost) empty).
 
 * comm: the layer's own dispatch (MXFP8: quantize rows once, send E4M3 data + E8M0 scales, D + D/32
   bytes a row; BF16: 2D bytes a row, the receiver quantizes inside grouped_linear) and combine
@@ -89,18 +89,20 @@ def gather_ints(values: list[int]) -> list[list[int]]:
     return [p.tolist() for p in parts]
 
 
-def skew_router(moe: mxmoe.MoE, skew: bool) -> None:
-    """Zipf-like preference for low expert ids along a fixed direction; the last eighth empty."""
+def skew_router(moe: mxmoe.MoE, skew: bool) -> torch.Tensor | None:
+    """Zipf-like preference for low expert ids along a fixed direction, the last eighth of the experts
+    (almost) never chosen. Returns the direction (inputs get an offset along it, so the preference acts)."""
     if not skew:
-        return
+        return None
     g = torch.Generator().manual_seed(7)
     direction = torch.randn(moe.dim, generator=g).to(moe.router.weight.device)
     direction /= direction.norm()
     E = moe.num_experts
     zipf = torch.log(1.0 / torch.arange(1, E + 1, dtype=torch.float32, device=direction.device))
     with torch.no_grad():
-        moe.router.weight.add_(torch.outer(zipf * 4.0, direction))
+        moe.router.weight.add_(torch.outer(zipf * 0.25, direction))  # with x . direction ~ 4: p_e ~ 1/(e+1)
         moe.router.weight[E - max(1, E // 8):] -= 50.0 * direction
+    return direction
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -228,9 +230,12 @@ def main() -> None:
         E, D, Fdim, top_k = SHAPES[name]
         torch.manual_seed(0)  # same weights on both ranks
         full = mxmoe.MoE(D, Fdim, E, top_k, recipe="mxfp8").to(dev)
-        skew_router(full, args.skew)
+        direction = skew_router(full, args.skew)
         torch.manual_seed(1 + me)  # each rank its own tokens
-        x = torch.randn(args.tokens, D, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(args.tokens, D, device=dev)
+        if direction is not None:
+            x += 4.0 * direction  # x . direction ~ 4 +- 1: the preference acts on nearly every token
+        x = x.to(torch.bfloat16)
         counts = full.route(x).counts
         res = {"experts": E, "dim": D, "ffn_dim": Fdim, "top_k": top_k,
                "routed_per_expert_per_rank": gather_ints(counts.tolist()),
