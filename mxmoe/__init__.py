@@ -9,9 +9,10 @@ from mxmoe.formats import MXTensor, ScaleRule
 from mxmoe.layouts import from_blocked, to_blocked, to_blocked_grouped
 from mxmoe.moe import MoE
 from mxmoe.ops import grouped_linear, grouped_mm, quantize
+from mxmoe.parallel import ExpertParallelMoE
 from mxmoe.recipes import RECIPES, Recipe
 
 __all__ = [
     "MXTensor", "ScaleRule", "quantize", "to_blocked", "from_blocked", "to_blocked_grouped",
-    "grouped_mm", "grouped_linear", "MoE", "Recipe", "RECIPES", "convert",
+    "grouped_mm", "grouped_linear", "MoE", "Recipe", "RECIPES", "convert", "ExpertParallelMoE",
 ]

@@ -128,7 +128,8 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         slot_rows, offs, rows, counts = permute_plan(experts, self.num_experts, self.recipe.align)
         frac_routed = counts.to(torch.float32) / max(experts.numel(), 1)  # f_e
-        self.aux_loss = self.aux_loss_coef * self.num_experts * (frac_routed * probs.mean(dim=0)).sum()
+        mean_prob = probs.sum(dim=0) / max(probs.shape[0], 1)  # P_e; zero (not NaN) with no tokens
+        self.aux_loss = self.aux_loss_coef * self.num_experts * (frac_routed * mean_prob).sum()
         return Routing(weights, experts, slot_rows, offs, rows, counts)
 
     def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

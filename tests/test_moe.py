@@ -108,3 +108,11 @@ def test_bad_config():
         mxmoe.MoE(32, 64, 4, 2, recipe="fp4")
     with pytest.raises(ValueError, match="last dim"):
         mxmoe.MoE(32, 64, 4, 2)(torch.randn(3, 16))
+
+
+def test_zero_tokens():
+    m = mxmoe.MoE(32, 64, 4, 2)
+    x = torch.zeros(0, 32, requires_grad=True)
+    y = m(x)
+    (y.sum() + m.aux_loss).backward()
+    assert y.shape == (0, 32) and m.aux_loss.item() == 0.0
