@@ -1,0 +1,293 @@
+"""Benchmark the Hopper MXFP8 grouped GEMMs against BF16 and FP8-rowwise grouped GEMMs, same run.
+
+    python benchmarks/bench_grouped_gemm.py [--out benchmarks/results/h200/grouped_gemm.json] [--quick]
+
+For every DESIGN §5 shape, both expert projections (up: N = 2 x FFN, K = hidden; down: N = hidden,
+K = FFN), balanced and skewed (Zipf-like, some experts empty) token counts, and the three passes:
+
+    fprop  y[M, N]  = x[M, K] @ W[e]^T          (ours: M-grouped, weight_block 1 and 32)
+    dgrad  dx[M, K] = dy[M, N] @ W[e]           (ours: M-grouped on W^T [E, K, N], same weight variants)
+    wgrad  dW[e]    = dy[:, g_e]^T @ x[g_e]     (ours: K-grouped, 1x32 both operands)
+
+TFLOP/s = 2 * M * N * K / time (M = routed rows). Peers on the same shapes and operand bytes:
+BF16 ``torch._grouped_mm`` and FP8 rowwise ``torch._scaled_grouped_mm`` (default accumulation).
+``dense_tflops``: our kernel on one group of all M rows with one weight (fprop, balanced only).
+``rel_err``: ||ours - ref|| / ||ref|| on a sample of output rows, ref = FP64 product of the
+dequantized operands; ours is the BF16 output (fprop/dgrad, rounding floor ~1.7e-3) or FP32 (wgrad).
+Timing: ``triton.testing.do_bench`` median after warm-up. Token counts are multiples of 32 (the
+MoE layer pads groups to 32), as the wgrad kernel and the peers require.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mxmoe.formats import MXTensor  # noqa: E402
+from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
+    sm90_mxfp8_k_grouped_gemm,
+    sm90_mxfp8_m_grouped_gemm,
+)
+from mxmoe.kernels.sm90_tile_config import Sm90TileConfig  # noqa: E402
+
+CONFIG = None  # tile configuration override (--split), None = the heuristic's choice
+
+# name: (local experts E, routed rows M, hidden, expert FFN)
+SHAPES = {
+    "mixtral-8x7b": (8, 32768, 4096, 14336),
+    "llama4-scout": (16, 16384, 5120, 8192),
+    "dsv3-ep32": (8, 32768, 7168, 2048),
+    "qwen3-30b-a3b": (128, 131072, 2048, 768),
+}
+
+
+def token_counts(M: int, E: int, balance: str, gen: torch.Generator) -> list[int]:
+    """Rows per expert, multiples of 32 summing to M. Skewed: Zipf(1.2) over a random expert order,
+    with the last eighth of that order (at least one expert) empty."""
+    units = M // 32
+    if balance == "balanced":
+        w = torch.ones(E, dtype=torch.float64)
+    else:
+        ranks = torch.randperm(E, generator=gen).double() + 1
+        w = ranks ** -1.2
+        n_empty = max(1, E // 8)
+        w[torch.argsort(ranks)[-n_empty:]] = 0
+    q = torch.floor(w / w.sum() * units).long()
+    q[int(torch.argmax(w))] += units - int(q.sum())
+    return [int(v) * 32 for v in q]
+
+
+def rand_fp8(*shape, device="cuda"):
+    return torch.randn(*shape, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+
+
+def rand_scale(*shape, device="cuda"):
+    return torch.randint(120, 135, shape, device=device, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def rand_scale_32x32(E, N, KB, device="cuda"):
+    s = torch.randint(120, 135, (E, N // 32, KB), device=device, dtype=torch.uint8)
+    return s.repeat_interleave(32, dim=1).contiguous().view(torch.float8_e8m0fnu)
+
+
+def bench(fn, quick: bool) -> float:
+    import triton
+    return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")
+
+
+def deq(data, scale, rows=None):
+    if rows is not None:
+        data, scale = data[rows], scale[rows]
+    return MXTensor(data, scale, axis=data.dim() - 1).dequantize(torch.float64)
+
+
+def m_grouped_rel_err(out, a, sa, b, sb, counts, gen, n_sample=256):
+    """Error of an M-grouped output on a sample of rows (reference in FP64)."""
+    M = sum(counts)
+    rows = torch.randperm(M, generator=gen)[:n_sample].sort().values
+    ends = torch.tensor(counts).cumsum(0)
+    experts = torch.searchsorted(ends, rows, right=True)
+    num, den = 0.0, 0.0
+    for e in experts.unique().tolist():
+        r = rows[experts == e].to(a.device)
+        ref = deq(a, sa, r) @ deq(b[e], sb[e]).T
+        num += (out[r].double() - ref).pow(2).sum().item()
+        den += ref.pow(2).sum().item()
+    return math.sqrt(num / den)
+
+
+def k_grouped_rel_err(out, a, sa, b, sb, counts, gen, n_sample=64):
+    """Error of a K-grouped (wgrad) output on a sample of output rows of every non-empty expert."""
+    N = a.shape[0]
+    rows = torch.randperm(N, generator=gen)[:n_sample].sort().values.to(a.device)
+    ad = deq(a, sa, rows)  # [n, T]
+    bd = deq(b, sb)  # [K, T]
+    num, den, start = 0.0, 0.0, 0
+    for e, n in enumerate(counts):
+        if n:
+            ref = ad[:, start:start + n] @ bd[:, start:start + n].T
+            num += (out[e][rows].double() - ref).pow(2).sum().item()
+            den += ref.pow(2).sum().item()
+        start += n
+    del bd
+    return math.sqrt(num / den)
+
+
+def run_case(shape, proj, balance, quick, gen):
+    E, M, hidden, ffn = SHAPES[shape]
+    N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
+    counts = token_counts(M, E, balance, gen)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    rows = []
+    tfl = lambda ms: 2.0 * M * N * K / (ms * 1e-3) / 1e12  # noqa: E731
+    base = dict(shape=shape, proj=proj, balance=balance, E=E, M=M, N=N, K=K, counts_max=max(counts),
+                empty_experts=sum(c == 0 for c in counts))
+
+    for pas in ("fprop", "dgrad"):
+        # fprop: a = x [M, K], b = W [E, N, K]; dgrad: a = dy [M, N], b = W^T [E, K, N] (contraction last)
+        n_out, k_red = (N, K) if pas == "fprop" else (K, N)
+        a = rand_fp8(M, k_red)
+        sa = rand_scale(M, k_red // 32)
+        b = rand_fp8(E, n_out, k_red)
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        ms_bf16 = bench(lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs), quick)
+        row_scale = torch.rand(M, device="cuda") + 0.5
+        col_scale = torch.rand(E, n_out, device="cuda") + 0.5
+        ms_fp8 = bench(lambda: torch._scaled_grouped_mm(a, b.transpose(-2, -1), row_scale, col_scale, offs=offs,
+                                                        out_dtype=torch.bfloat16), quick)
+        del a16, b16
+        for wb in (1, 32):
+            sb = rand_scale_32x32(E, n_out, k_red // 32) if wb == 32 else rand_scale(E, n_out, k_red // 32)
+            row = dict(base, **{"pass": pas, "weights": "1x32" if wb == 1 else "32x32"})
+            try:
+                fn = lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=CONFIG)  # noqa: E731
+                out = fn()
+                torch.cuda.synchronize()
+                row["rel_err"] = m_grouped_rel_err(out, a, sa, b, sb, counts, gen)
+                del out
+                ms = bench(fn, quick)
+                row.update(ms=ms, tflops=tfl(ms), bf16_tflops=tfl(ms_bf16), fp8_rowwise_tflops=tfl(ms_fp8))
+                row["vs_bf16"] = row["tflops"] / row["bf16_tflops"]
+                if pas == "fprop" and balance == "balanced":
+                    # One dense GEMM of the same total size: all M rows against expert 0's weight.
+                    one = torch.tensor([M], dtype=torch.int32, device="cuda")
+                    ms_d = bench(lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b[:1], sb[:1], one, weight_block=wb,
+                                                                       config=CONFIG),
+                                 quick)
+                    row["dense_tflops"] = tfl(ms_d)
+                    row["grouped_over_dense"] = ms_d / ms
+                row["pass_ok"] = bool(row["rel_err"] <= 4e-3)
+            except Exception as exc:  # keep going: one failing case must not hide the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+            rows.append(row)
+            print_row(row)
+        del a, b, sa
+
+    # wgrad: a = dy^T [N, T], b = x^T [K, T]; T = M tokens, quantized along T.
+    a = rand_fp8(N, M)
+    sa = rand_scale(N, M // 32)
+    b = rand_fp8(K, M)
+    sb = rand_scale(K, M // 32)
+    row = dict(base, **{"pass": "wgrad", "weights": "1x32"})
+    try:
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        ms_bf16 = bench(lambda: torch._grouped_mm(a16, b16.transpose(0, 1), offs=offs), quick)
+        del a16, b16
+        ra = torch.rand(E * N, device="cuda") + 0.5
+        rb = torch.rand(E * K, device="cuda") + 0.5
+        try:
+            ms_fp8 = bench(lambda: torch._scaled_grouped_mm(a, b.transpose(0, 1), ra, rb, offs=offs,
+                                                            out_dtype=torch.bfloat16), quick)
+        except Exception as exc:
+            ms_fp8 = float("nan")
+            row["fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        fn = lambda: sm90_mxfp8_k_grouped_gemm(a, sa, b, sb, offs, check_offsets=False, config=CONFIG)  # noqa: E731
+        out = fn()
+        torch.cuda.synchronize()
+        row["rel_err"] = k_grouped_rel_err(out, a, sa, b, sb, counts, gen)
+        del out
+        ms = bench(fn, quick)
+        row.update(ms=ms, tflops=tfl(ms), bf16_tflops=tfl(ms_bf16), fp8_rowwise_tflops=tfl(ms_fp8))
+        row["vs_bf16"] = row["tflops"] / row["bf16_tflops"]
+        row["pass_ok"] = bool(row["rel_err"] <= 1e-3)
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+    rows.append(row)
+    print_row(row)
+    del a, b, sa, sb
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run_ablation(quick: bool) -> list[dict]:
+    """Where the time goes: fprop (balanced) with the promotion removed stage by stage.
+
+    ablate 0 = the real kernel; 1 = one FFMA per element (the row scale only, what a 1-instruction
+    promotion would cost); 2 = no promotion (partials accumulate in the tensor core: the pipeline's
+    own ceiling). Results of 1 and 2 are numerically wrong by design; only their time matters."""
+    import mxmoe.kernels.sm90_mxfp8_grouped_gemm as kern
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for shape, proj in (("mixtral-8x7b", "up"), ("dsv3-ep32", "down"), ("qwen3-30b-a3b", "up")):
+        E, M, hidden, ffn = SHAPES[shape]
+        N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
+        offs = torch.tensor(token_counts(M, E, "balanced", gen)).cumsum(0).to(torch.int32).cuda()
+        a, sa, b = rand_fp8(M, K), rand_scale(M, K // 32), rand_fp8(E, N, K)
+        for wb in (1, 32):
+            sb = rand_scale_32x32(E, N, K // 32) if wb == 32 else rand_scale(E, N, K // 32)
+            for ablate in (0, 1, 2):
+                kern._ABLATE = ablate
+                ms = bench(lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=CONFIG),
+                           quick)
+                row = dict(shape=shape, proj=proj, weights="1x32" if wb == 1 else "32x32", ablate=ablate, ms=ms,
+                           tflops=2.0 * M * N * K / (ms * 1e-3) / 1e12)
+                print(f"ablation {shape:<14}{proj:<5}{row['weights']:<6} ablate={ablate} {row['tflops']:7.0f} TFLOP/s",
+                      flush=True)
+                rows.append(row)
+        kern._ABLATE = 0
+        del a, b, sa, sb
+    return rows
+
+
+HEADER = f"{'shape':<14}{'proj':<5}{'pass':<6}{'wts':<6}{'balance':<9}{'ours':>7}{'bf16':>7}{'fp8rw':>7}" \
+         f"{'x bf16':>8}{'dense':>7}{'rel_err':>9}"
+
+
+def print_row(r):
+    if "error" in r:
+        print(f"{r['shape']:<14}{r['proj']:<5}{r['pass']:<6}{r['weights']:<6}{r['balance']:<9} ERROR {r['error']}",
+              flush=True)
+        return
+    dense = f"{r['dense_tflops']:7.0f}" if "dense_tflops" in r else " " * 7
+    print(f"{r['shape']:<14}{r['proj']:<5}{r['pass']:<6}{r['weights']:<6}{r['balance']:<9}{r['tflops']:7.0f}"
+          f"{r['bf16_tflops']:7.0f}{r['fp8_rowwise_tflops']:7.0f}{r['vs_bf16']:8.2f}{dense}{r['rel_err']:9.1e}",
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results/h200/grouped_gemm.json"))
+    ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of shapes")
+    ap.add_argument("--balances", default="balanced,skewed")
+    ap.add_argument("--split", type=int, choices=(0, 1), default=None,
+                    help="override: 1 = one partition per consumer warpgroup, 0 = one 8-warp consumer partition")
+    ap.add_argument("--ablation", action="store_true", help="only the promotion ablation (see run_ablation)")
+    args = ap.parse_args()
+    global CONFIG
+    if args.split is not None:
+        CONFIG = Sm90TileConfig(split_wg=bool(args.split))
+    import triton
+    if args.ablation:
+        rows = run_ablation(args.quick)
+        with open(args.out, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           config=repr(CONFIG or Sm90TileConfig()), ablation=rows), f, indent=1)
+        return
+    gen = torch.Generator().manual_seed(0)
+    print(HEADER, flush=True)
+    rows = []
+    result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  torch=torch.__version__, triton=triton.__version__, tflops_formula="2*M*N*K/time",
+                  timing="triton.testing.do_bench median", fp8_rowwise="torch._scaled_grouped_mm, use_fast_accum=False",
+                  quick=args.quick, config=repr(CONFIG or Sm90TileConfig()), rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for shape in args.shapes.split(","):
+        for proj in ("up", "down"):
+            for balance in args.balances.split(","):
+                rows += run_case(shape, proj, balance, args.quick, gen)
+                with open(args.out, "w") as f:  # after every case, so a cut-short run still leaves its rows
+                    json.dump(result, f, indent=1)
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,688 @@
+"""Hopper (sm_90) MXFP8 grouped GEMMs in Gluon: M-grouped (fprop, dgrad) and K-grouped (wgrad).
+
+Hopper's FP8 tensor cores (``wgmma``, QGMMA in SASS) have no block scaling, so the E8M0 scales
+are applied on the CUDA cores ("promotion", DESIGN §2): every 32-deep K step is one async
+``wgmma`` into a fresh FP32 partial, and the partial is folded into the FP32 accumulator as
+
+    acc[m, n] += P_k[m, n] * 2^(ea[m, k]) * 2^(eb[n, k])
+
+which is the MX product up to summation order and rounding: the FP8 x FP8 products are exact,
+but Hopper's FP8 tensor core sums the 32 products of a step with a truncated alignment; measured
+relative error against FP64 is 4.5e-5 with FP32 output (1.7e-3 with BF16 output, its own
+rounding). A NaN scale (0xFF) is a NaN factor.
+
+Kernel structure (one kernel serves both forms; ``K_GROUPED`` picks the tile map)::
+
+    persistent grid, one CTA per SM, tiles BM x BN = 128 x 128, K stages of 128 (4 MX steps)
+
+    producer partition (1 warp, 24 regs)         consumer partitions (2 x 1 warpgroup, 240 regs)
+    ---------------------------------------      ---------------------------------------------
+    for tile in my tiles:                        for tile in my tiles:
+      for stage in tile's K range:                 for stage:
+        wait empty[s]   (2 arrivals)                 wait ready[s]
+        expect ready[s]; TMA A, B, sa, sb            4x: wgmma step j -> partial (async);
+                                                         retire step j-1 (wait(1)); promote it
+                                                     wait(0); promote step 3; arrive empty[s]
+                                                   masked store of its 64 rows of the tile
+
+    consumer warpgroup 0 (the default partition) owns rows 0..63 of every tile and warpgroup 1 (a
+    worker partition) rows 64..127, each with m64n128k32 wgmmas and its own barriers, so one
+    warpgroup's promotion overlaps the other's tensor-core work (``split_wg=False`` makes them one
+    8-warp partition instead: measured the same). Registers per consumer thread: accumulator + 2
+    partials = 192 FP32.
+
+Tile order (the "scheduler"): tiles are numbered expert by expert; inside an expert's
+sub-problem (m-tiles x n-tiles) tiles are ordered in supergroups of ``GROUP_M`` m-tiles
+(expert-wise supergrouping: concurrently running CTAs share one expert's B tiles in L2).
+CTA ``p`` takes tiles ``p, p + P, p + 2P, ...``. For the M-grouped form the wrapper computes
+each expert's tile count on the device (no host sync); the kernel finds a tile's expert by
+binary search over the cumulative tile counts.
+
+Scale layouts the kernels read (made by :func:`sm90_scale_layout` in the wrapper for now; a
+quantization kernel can write them directly): FP32 values that are exactly ``2^(b-127)``
+(NaN for 0xFF), transposed so that one K step's scales for a tile's rows are contiguous:
+
+* activations (A, M-grouped):   ``[K/32, W]``, each expert group starting at a multiple of 4 columns
+  (a TMA box should start 16-byte aligned in its inner dim: groups starting at a row that is not
+  a multiple of 4 made the previous layout die with "illegal instruction"; this layout is the
+  fix, not yet run on a GPU)
+* weights 1x32 (B, M-grouped):  ``[E * K/32, N_pad]``
+* weights 32x32 (B, M-grouped): ``[E * K/32, N/32 padded to 4]`` (one value per 32x32 tile)
+* wgrad operands (K-grouped):   ``[T/32, N_pad]`` and ``[T/32, K_pad]``
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config
+
+try:  # Triton (and Gluon) are optional: `import mxmoe` must work without them.
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - depends on the installed triton
+    HAS_GLUON = False
+
+__all__ = [
+    "HAS_GLUON",
+    "sm90_mxfp8_m_grouped_gemm",
+    "sm90_mxfp8_k_grouped_gemm",
+    "sm90_scale_layout",
+]
+
+MX_BLOCK = 32
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _tile_info(tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
+                   K_GROUPED: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+                   SEARCH_STEPS: gl.constexpr):
+        """Map a tile number to (a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col).
+
+        a_row/b_row: first rows of the A and B tiles (TMA coordinates); sa_col: first column of the
+        tile's rows in the A-scale tensor (M-grouped: each group starts at a multiple of 4 columns,
+        ``tile_end_ptr[E + e]``, because a TMA box must start 16-byte aligned in its inner dim);
+        kb0: first 32-block of the
+        contraction range; sb_row0: row of the B-scale tensor for that block; nsteps: 32-deep steps;
+        row_hi: rows of the output tile at or past it are not written; col0: first output column;
+        out_base: element offset of the output matrix (expert slice for wgrad).
+        """
+        if K_GROUPED:
+            per = MT_K * NT
+            e = tile // per
+            local = tile - e * per
+            t_lo = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            t_hi = gl.load(offs_ptr + e)
+            mt_count = MT_K
+        else:
+            # Binary search for the first expert whose cumulative tile count exceeds `tile`.
+            lo = tile * 0
+            hi = lo + (E - 1)
+            for _ in gl.static_range(SEARCH_STEPS):
+                mid = (lo + hi) // 2
+                v = gl.load(tile_end_ptr + mid)
+                left = v > tile
+                hi = gl.where(left, mid, hi)
+                lo = gl.where(left, lo, mid + 1)
+            e = lo
+            first = gl.load(tile_end_ptr + e - 1, mask=e > 0, other=0)
+            local = tile - first
+            t_lo = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            t_hi = gl.load(offs_ptr + e)
+            mt_count = (t_hi - t_lo + BM - 1) // BM
+        # Supergrouping inside the expert's (mt_count x NT) sub-problem.
+        width = GROUP_M * NT
+        gid = local // width
+        first_m = gid * GROUP_M
+        gsz = gl.minimum(mt_count - first_m, GROUP_M)
+        in_group = local - gid * width
+        mt = first_m + in_group % gsz
+        nt = in_group // gsz
+        col0 = nt * BN
+        if K_GROUPED:
+            a_row = mt * BM
+            sa_col = a_row
+            b_row = col0
+            kb0 = t_lo // 32
+            sb_row0 = kb0
+            nsteps = (t_hi - t_lo) // 32
+            row_hi = OUT_ROWS
+            out_base = e.to(gl.int64) * OUT_ROWS * OUT_COLS
+        else:
+            a_row = t_lo + mt * BM
+            sa_col = gl.load(tile_end_ptr + E + e) + mt * BM
+            b_row = e * N_B + col0
+            kb0 = t_lo * 0
+            sb_row0 = e * KSTEPS
+            nsteps = KSTEPS + t_lo * 0
+            row_hi = t_hi
+            out_base = t_lo.to(gl.int64) * 0
+        return a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col
+
+    @gluon.jit
+    def _num_tiles(tile_end_ptr, E, MT_K, NT, K_GROUPED: gl.constexpr):
+        if K_GROUPED:
+            total = E * MT_K * NT
+        else:
+            total = gl.load(tile_end_ptr + E - 1)
+        return total
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
+                  offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
+                  K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+        """TMA warp: fill the smem ring with A, B tiles and their scales, stage by stage."""
+        KB: gl.constexpr = BK // 32
+        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes +
+                                sb_desc.block_type.nbytes)
+        total = _num_tiles(tile_end_ptr, E, MT_K, NT, K_GROUPED)
+        it = 0
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
+                tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
+                GROUP_M, SEARCH_STEPS)
+            for s in range(gl.cdiv(nsteps, KB)):
+                idx = it % STAGES
+                phase = (it // STAGES) & 1
+                mbarrier.wait(empty.index(idx), phase ^ 1)
+                bar = ready.index(idx)
+                mbarrier.expect(bar, nbytes)
+                kb = kb0 + s * KB
+                tma.async_copy_global_to_shared(a_desc, [a_row, kb * 32], bar, a_bufs.index(idx))
+                tma.async_copy_global_to_shared(b_desc, [b_row, kb * 32], bar, b_bufs.index(idx))
+                tma.async_copy_global_to_shared(sa_desc, [kb, sa_col], bar, sa_bufs.index(idx))
+                if WB32:
+                    tma.async_copy_global_to_shared(sb_desc, [sb_row0 + s * KB, col0 // 32], bar, sb_bufs.index(idx))
+                else:
+                    tma.async_copy_global_to_shared(sb_desc, [sb_row0 + s * KB, col0], bar, sb_bufs.index(idx))
+                it += 1
+
+    @gluon.jit
+    def _load_scales(sa_rows, sb_rows, row, ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
+                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
+        """One MX step's scales from smem (row ``row`` of the rings), in the layouts _promote needs.
+
+        l3 is the register layout of the [BMW, BN/32, 32] view of an MMA tile (32x32 weights)."""
+        if WB32:
+            l2: gl.constexpr = gl.SliceLayout(2, l3)
+            sa = sa_rows.index(row).slice(ROW0, BMW).load(gl.SliceLayout(1, l2))
+            sb = sb_rows.index(row).slice(0, BN // 32).load(gl.SliceLayout(0, l2))
+        else:
+            sa = sa_rows.index(row).slice(ROW0, BMW).load(gl.SliceLayout(1, mma_layout))
+            sb = sb_rows.index(row).load(gl.SliceLayout(0, mma_layout))
+        return sa, sb
+
+    @gluon.jit
+    def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr, ABLATE: gl.constexpr):
+        """acc += p * 2^(ea) * 2^(eb) for one MX step (sa: per row, sb: per column or per 32 columns).
+
+        ABLATE (timing experiments only, wrong results): 1 = one FFMA per element with the row scale
+        only; 2 = no promotion at all (the partials accumulate in the tensor core)."""
+        if ABLATE == 2:
+            pass
+        elif ABLATE == 1:
+            if WB32:
+                acc = gl.fma(gl.reshape(p, [BMW, BN // 32, 32]), gl.expand_dims(gl.expand_dims(sa, 1), 2), acc)
+            else:
+                acc = gl.fma(p, gl.expand_dims(sa, 1), acc)
+        elif WB32:
+            # One weight scale per 32 output columns: view the tile as [BMW, BN/32, 32] so the scale
+            # product is formed once per (row, 32-column group) and broadcast (1 FFMA per element).
+            p3 = gl.reshape(p, [BMW, BN // 32, 32])
+            s2 = gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
+            acc = gl.fma(p3, gl.expand_dims(s2, 2), acc)
+        else:
+            scale = gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
+            acc = gl.fma(p, scale, acc)
+        return acc
+
+    @gluon.jit
+    def _mx_step(a_buf, b_buf, j: gl.constexpr, ROW0: gl.constexpr, BMW: gl.constexpr, p, use_acc=False):
+        """Issue MX step j of a stage: one async wgmma (m64nBNk32 per warpgroup) into a fresh partial."""
+        a_j = a_buf.slice(ROW0, BMW, dim=0).slice(j * 32, 32, dim=1)
+        b_j = b_buf.slice(j * 32, 32, dim=1).permute((1, 0))
+        return warpgroup_mma(a_j, b_j, p, use_acc=use_acc, is_async=True)
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr,
+                  offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
+                  K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                  ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr):
+        """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
+        MX step, promotion of the previous step while the next one runs, masked store."""
+        KB: gl.constexpr = BK // 32
+        EARLY_SCALES: gl.constexpr = WB32
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                              instr_shape=[16, BN, 32])
+        p_a = gl.zeros([BMW, BN], gl.float32, mma_layout)
+        p_b = gl.zeros([BMW, BN], gl.float32, mma_layout)
+        l3: gl.constexpr = gl.reshape(p_a, [BMW, BN // 32, 32]).type.layout
+        # The scale boxes land unswizzled (row-major); view them with a plain layout so one MX
+        # step's row of scales can be indexed.
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        sa_rows = sa_bufs._reinterpret(sa_bufs.dtype, [STAGES * KB, sa_bufs.shape[2]], plain)
+        sb_rows = sb_bufs._reinterpret(sb_bufs.dtype, [STAGES * KB, sb_bufs.shape[2]], plain)
+        total = _num_tiles(tile_end_ptr, E, MT_K, NT, K_GROUPED)
+        it = 0
+        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+            a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
+                tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
+                GROUP_M, SEARCH_STEPS)
+            if WB32:
+                acc = gl.zeros([BMW, BN // 32, 32], gl.float32, l3)
+            else:
+                acc = gl.zeros([BMW, BN], gl.float32, mma_layout)
+            for s in range(gl.cdiv(nsteps, KB)):
+                idx = it % STAGES
+                phase = (it // STAGES) & 1
+                mbarrier.wait(ready.index(idx), phase)
+                a_buf = a_bufs.index(idx)
+                b_buf = b_bufs.index(idx)
+                r0 = idx * KB
+                if nsteps - s * KB >= KB:
+                    # Full stage. Step j's wgmma runs while step j-1 is promoted. With 32x32 weights the
+                    # few scales of step j-1 are read before the wait (latency hidden behind the tensor
+                    # core); with 1x32 the 32 column scales per thread would not fit in registers.
+                    chain = (ABLATE == 2) & (s > 0)  # ablation 2: partials accumulate in the tensor core
+                    p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a, chain)
+                    for j in gl.static_range(1, KB):
+                        if EARLY_SCALES:
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                        if j % 2 == 1:
+                            p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b, chain | ((ABLATE == 2) & (j > 1)))
+                            p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
+                            if not EARLY_SCALES:
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
+                                                      l3)
+                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                        else:
+                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, ABLATE == 2)
+                            p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
+                            if not EARLY_SCALES:
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
+                                                      l3)
+                            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
+                    # The last step retires with wait(0): no wgmma stays in flight across the loop
+                    # back-edge (that makes ptxas serialize every wgmma, warning C7514).
+                    if KB % 2 == 0:
+                        p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
+                        sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                        acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
+                    else:
+                        p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                        sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                        acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                else:
+                    # Tail stage of a contraction range that is not a multiple of BK: synchronous steps.
+                    for j in gl.static_range(KB):
+                        if j < nsteps - s * KB:
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3)
+                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
+                            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                # Generic-proxy reads of this stage (scales) must be ordered before the next TMA write.
+                fence_async_shared()
+                mbarrier.arrive(empty.index(idx), count=1)
+                it += 1
+            # Epilogue: masked store of the rows that belong to this tile's group.
+            if ABLATE == 2:
+                if WB32:
+                    acc = gl.reshape(p_a + p_b, [BMW, BN // 32, 32])
+                else:
+                    acc = p_a + p_b
+            if WB32:
+                out = gl.convert_layout(gl.reshape(acc, [BMW, BN]), mma_layout)
+            else:
+                out = acc
+            rows = a_row + ROW0 + gl.arange(0, BMW, gl.SliceLayout(1, mma_layout))
+            cols = col0 + gl.arange(0, BN, gl.SliceLayout(0, mma_layout))
+            ptrs = c_ptr + out_base + gl.expand_dims(rows.to(gl.int64) * OUT_COLS, 1) + gl.expand_dims(cols, 0)
+            mask = gl.expand_dims(rows < row_hi, 1) & gl.expand_dims(cols < OUT_COLS, 0)
+            gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit(do_not_specialize=["E", "N_B", "KSTEPS", "MT_K", "NT", "OUT_ROWS", "OUT_COLS"])
+    def sm90_mxfp8_grouped_gemm_kernel(
+            a_desc, b_desc, sa_desc, sb_desc,  # TMA descriptors: A/B data tiles, A/B scale tiles
+            c_ptr, offs_ptr, tile_end_ptr,  # output, group ends [E], [2, E] cumul. tile counts + A-scale starts
+            E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
+            K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+            SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, ABLATE: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        gl.static_assert(BK % 32 == 0)
+
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape, sa_desc.layout)
+        sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape, sb_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # SPLIT_WG: each consumer warpgroup is its own partition (own barriers, no CTA-wide sync)
+        # and both arrive on `empty`; else one 8-warp partition arrives once.
+        NCONS: gl.constexpr = 2 if SPLIT_WG else 1
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NCONS)
+        fence_async_shared()
+
+        HALF: gl.constexpr = BM // 2
+        if SPLIT_WG:
+            gl.static_assert(num_warps == 4)
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, offs_ptr, tile_end_ptr, E, N_B,
+                             KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
+                             SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE)),
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, offs_ptr, tile_end_ptr, E, N_B,
+                             KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
+                             SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE)),
+                (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
+                             offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
+                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, offs_ptr, tile_end_ptr, E, N_B,
+                             KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
+                             SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE)),
+                (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
+                             offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
+                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
+            ], [1], [24])
+
+
+def _nvmma_layout(block, gl_dtype):
+    """Shared-memory layout of a TMA box: 128-byte swizzle for FP8 tiles, none for FP32 scale rows."""
+    if gl_dtype == gl.float32:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block))
+    return gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scale re-layout (wrapper side for now)
+# ----------------------------------------------------------------------------------------------
+
+_F32_NAN_BITS = 0x7FC00000
+_F32_TWO_POW_M127_BITS = 0x00400000  # 2^-127, the E8M0 byte 0x00 (an FP32 subnormal)
+
+
+def _e8m0_to_f32(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> FP32 ``2^(b-127)`` (0xFF -> NaN, 0x00 -> the subnormal 2^-127), same shape."""
+    b = scale.view(torch.uint8).to(torch.int32)
+    bits = b << 23
+    bits = torch.where(b == 0, torch.full_like(bits, _F32_TWO_POW_M127_BITS), bits)
+    bits = torch.where(b == 0xFF, torch.full_like(bits, _F32_NAN_BITS), bits)
+    return bits.view(torch.float32)
+
+
+def sm90_grouped_scale_layout(scale: torch.Tensor, offs: torch.Tensor, align: int = 4):
+    """Row scales of a row-grouped operand -> FP32 ``[K/32, W]`` with every group starting at a
+    multiple of ``align`` columns (the TMA box of a tile's scales must start 16-byte aligned).
+
+    Args:
+        scale: ``[M, K/32]`` E8M0 (row-major), rows grouped by ``offs``.
+        offs: ``[E]`` int32 cumulative group end offsets.
+    Returns:
+        ``(values, starts)``: ``values[k, starts[e] + i]`` is the scale of row ``offs[e-1] + i``,
+        block ``k`` (FP32 ``2^(b-127)``); other columns are 0. ``starts``: ``[E]`` int32. No host sync.
+    """
+    M, kb = scale.shape
+    E = offs.shape[0]
+    offs64 = offs.to(torch.int64)
+    counts = torch.diff(offs64, prepend=offs64.new_zeros(1))
+    padded = (counts + align - 1) // align * align
+    starts = torch.cumsum(padded, 0) - padded
+    width = (M + (align - 1) * E + align - 1) // align * align + align  # last `align` columns: a dump
+    rows = torch.arange(M, device=scale.device)
+    e = torch.searchsorted(offs64, rows, right=True)  # group of each row; E for rows past offs[-1]
+    ec = e.clamp(max=E - 1)
+    col = torch.where(e < E, starts[ec] + rows - (offs64[ec] - counts[ec]), torch.full_like(rows, width - 1))
+    out = torch.zeros(kb, width, dtype=torch.float32, device=scale.device)
+    out.index_copy_(1, col, _e8m0_to_f32(scale).T.contiguous())
+    return out, starts.to(torch.int32)
+
+
+def sm90_scale_layout(scale: torch.Tensor, col_pad: int = 4) -> torch.Tensor:
+    """E8M0 scales ``[..., R, C]`` (row-major) -> FP32 ``2^(b-127)`` values, transposed ``[..., C, R_pad]``.
+
+    ``R_pad`` is ``R`` rounded up to ``col_pad`` (TMA needs 16-byte row strides); pad columns are
+    0. Byte 0xFF becomes NaN, byte 0x00 the subnormal 2^-127. The values are exact powers of two,
+    so the kernel's scale product ``sa * sb`` is exact unless it leaves FP32's range (below
+    2^-149 it flushes to 0, as a block that small cannot move an FP32 sum of normal blocks).
+    """
+    vals = _e8m0_to_f32(scale).transpose(-2, -1)  # [..., C, R]
+    r = vals.shape[-1]
+    r_pad = -(-r // col_pad) * col_pad
+    out = torch.zeros(*vals.shape[:-1], r_pad, dtype=torch.float32, device=scale.device)
+    out[..., :r] = vals
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch wrappers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_sm90(t: torch.Tensor) -> None:
+    if not HAS_GLUON:
+        raise RuntimeError("the sm_90 MXFP8 grouped GEMM needs triton >= 3.6 with Gluon")
+    if not t.is_cuda:
+        raise ValueError("the sm_90 MXFP8 grouped GEMM needs CUDA tensors")
+    cap = torch.cuda.get_device_capability(t.device)
+    if cap != (9, 0):
+        raise RuntimeError(f"the sm_90 MXFP8 grouped GEMM runs on Hopper (sm_90) only; this is sm_{cap[0]}{cap[1]}")
+
+
+def _check_operand(name: str, x: torch.Tensor, dim: int) -> None:
+    if x.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name} must be torch.float8_e4m3fn, got {x.dtype}")
+    if x.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dims, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous with the contraction dim last (K-major)")
+    if x.shape[-1] % MX_BLOCK != 0:
+        raise ValueError(f"{name}: contraction dim {x.shape[-1]} is not a multiple of {MX_BLOCK}")
+
+
+def _check_scale(name: str, s: torch.Tensor, data: torch.Tensor) -> None:
+    if s.dtype != torch.float8_e8m0fnu:
+        raise TypeError(f"{name} must be torch.float8_e8m0fnu, got {s.dtype}")
+    want = (*data.shape[:-1], data.shape[-1] // MX_BLOCK)
+    if tuple(s.shape) != want:
+        raise ValueError(f"{name} must have shape {want} (row-major, one scale per 32 along the last dim), "
+                         f"got {tuple(s.shape)}")
+
+
+def _check_offs(offs: torch.Tensor, num_groups: int, device: torch.device) -> None:
+    if offs.dtype != torch.int32:
+        raise TypeError(f"offs must be torch.int32, got {offs.dtype}")
+    if offs.dim() != 1 or offs.shape[0] != num_groups:
+        raise ValueError(f"offs must have shape ({num_groups},), got {tuple(offs.shape)}")
+    if offs.device != device:
+        raise ValueError(f"offs must be on {device}, got {offs.device}")
+
+
+def _fit_box(t: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """``t`` itself, or a zero-padded copy when a dim is smaller than the TMA box.
+
+    Defensive: keeps every tensor map's box inside its tensor (small operands, e.g. K < 128 or
+    N < 128 scale rows; whether sm_90 needs this was not isolated). The padding is never read into
+    a valid output element (those steps, rows and columns are skipped or masked). Only small
+    tensors are ever copied.
+    """
+    if all(d >= b for d, b in zip(t.shape, block)):
+        return t
+    shape = [max(d, b) for d, b in zip(t.shape, block)]
+    out = torch.zeros(shape, dtype=torch.uint8 if t.element_size() == 1 else t.dtype, device=t.device)
+    out = out.view(t.dtype)
+    out[tuple(slice(0, d) for d in t.shape)] = t
+    return out
+
+
+def _desc(t: torch.Tensor, block: list[int]):
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}[t.dtype]
+    t = _fit_box(t, block)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _nvmma_layout(block, gl_dtype))
+
+
+def _search_steps(num_groups: int) -> int:
+    return max(0, (num_groups - 1).bit_length())
+
+
+_SM_COUNT: dict[int, int] = {}
+_ABLATE = 0  # timing experiments only (see _promote); results are wrong unless 0
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                              offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, weight_block: int = 1,
+                              out: torch.Tensor | None = None, config: Sm90TileConfig | None = None) -> torch.Tensor:
+    """M-grouped MXFP8 GEMM, "NT" (fprop and dgrad): ``C[m, :] = deq(a)[m, :] @ deq(b)[e(m)]^T``.
+
+    Args:
+        a: ``[M, K]`` ``float8_e4m3fn``, K contiguous; rows grouped by expert.
+        a_scale: ``[M, K/32]`` ``float8_e8m0fnu``, row-major.
+        b: ``[E, N, K]`` ``float8_e4m3fn``, K contiguous (one ``[N, K]`` weight per expert).
+        b_scale: ``[E, N, K/32]`` ``float8_e8m0fnu``, row-major. With ``weight_block=32`` the weight
+            was quantized in 32x32 tiles: scales are equal within each group of 32 rows of N
+            (not checked) and ``N`` must be a multiple of 32.
+        offs: ``[E]`` int32 cumulative END offsets of the row groups (non-decreasing,
+            ``offs[-1] <= M``); expert ``e`` owns rows ``offs[e-1] .. offs[e]-1``. Empty groups allowed.
+        out_dtype: ``torch.bfloat16`` (default) or ``torch.float32``.
+        weight_block: 1 (standard 1x32 weight blocks) or 32 (32x32 weight blocks: one FFMA per
+            element of promotion instead of FMUL + FFMA).
+        out: optional preallocated ``[M, N]`` output of ``out_dtype`` (rows past ``offs[-1]`` are
+            left untouched).
+        config: tile configuration; default from :func:`sm90_tile_config`.
+    Returns:
+        ``[M, N]`` tensor of ``out_dtype``; rows past ``offs[-1]`` are unspecified.
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes, layout, K not a multiple of 32, bad ``offs``.
+        RuntimeError: not a Hopper GPU, or Triton/Gluon missing.
+
+    The scales are re-laid here: A by :func:`sm90_grouped_scale_layout` to FP32 ``[K/32, W]`` with
+    each group's rows starting at a multiple of 4 columns; B by :func:`sm90_scale_layout` to FP32
+    ``[E*K/32, N_pad]`` (1x32) or ``[E*K/32, N/32 padded to 4]`` (32x32).
+    """
+    _check_operand("a", a, 2)
+    _check_operand("b", b, 3)
+    _check_sm90(a)
+    _check_scale("a_scale", a_scale, a)
+    _check_scale("b_scale", b_scale, b)
+    M, K = a.shape
+    E, N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"a has K={K} but b has K={Kb}")
+    if b.device != a.device:
+        raise ValueError("a and b must be on the same device")
+    _check_offs(offs, E, a.device)
+    if weight_block not in (1, 32):
+        raise ValueError(f"weight_block must be 1 or 32, got {weight_block}")
+    if weight_block == 32 and N % 32 != 0:
+        raise ValueError(f"weight_block=32 needs N a multiple of 32, got N={N}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if out is None:
+        out = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    elif out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{M}, {N}] {out_dtype} tensor")
+    if M == 0 or N == 0 or E == 0:
+        return out
+    cfg = config or sm90_tile_config(M, N, K, E)
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    KB = BK // MX_BLOCK
+
+    sa, sa_starts = sm90_grouped_scale_layout(a_scale, offs)  # [K/32, W], groups 4-aligned
+    if weight_block == 32:
+        # one value per 32x32 tile: [E*K/32, N/32 padded]
+        sb = sm90_scale_layout(b_scale[:, ::MX_BLOCK, :]).reshape(E * (K // MX_BLOCK), -1)
+        sb_block = [KB, 8]
+    else:
+        sb = sm90_scale_layout(b_scale).reshape(E * (K // MX_BLOCK), -1)  # [E*K/32, N_pad]
+        sb_block = [KB, BN]
+    nt = triton.cdiv(N, BN)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    tile_end = torch.cumsum((counts + BM - 1) // BM * nt, 0, dtype=torch.int32)
+    sched = torch.stack([tile_end, sa_starts])  # [2, E]: cumulative tile counts, A-scale group starts
+    max_tiles = (triton.cdiv(M, BM) + E) * nt
+    grid = (min(_num_sms(a.device), max_tiles), )
+    sm90_mxfp8_grouped_gemm_kernel[grid](
+        _desc(a, [BM, BK]), _desc(b.view(E * N, K), [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, sb_block),
+        out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
+        K_GROUPED=False, WB32=weight_block == 32, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+        SEARCH_STEPS=_search_steps(E), SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, num_warps=4 if cfg.split_wg else 8,
+        maxnreg=cfg.maxnreg)
+    return out
+
+
+def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                              offs: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                              check_offsets: bool = True, out: torch.Tensor | None = None,
+                              config: Sm90TileConfig | None = None) -> torch.Tensor:
+    """K-grouped MXFP8 GEMM (wgrad): ``out[e] = deq(a)[:, group e] @ deq(b)[:, group e]^T``.
+
+    Args:
+        a: ``[N, T]`` ``float8_e4m3fn`` (e.g. dy^T), T (tokens) contiguous.
+        a_scale: ``[N, T/32]`` ``float8_e8m0fnu``, row-major.
+        b: ``[K, T]`` ``float8_e4m3fn`` (e.g. x^T), T contiguous.
+        b_scale: ``[K, T/32]`` ``float8_e8m0fnu``, row-major.
+        offs: ``[E]`` int32 cumulative END offsets along T; each a multiple of 32 (the MoE layer
+            pads every group to 32 tokens), non-decreasing, ``offs[-1] <= T``.
+        out_dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
+        check_offsets: verify ``offs % 32 == 0`` (one device-to-host sync).
+        out: optional preallocated ``[E, N, K]`` output.
+        config: tile configuration; default from :func:`sm90_tile_config`.
+    Returns:
+        ``[E, N, K]`` of ``out_dtype``; all zeros for an expert with no tokens.
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes, layout, T not a multiple of 32, offsets not
+        multiples of 32. RuntimeError: not a Hopper GPU, or Triton/Gluon missing.
+
+    Scales are re-laid here to FP32 ``[T/32, N_pad]`` and ``[T/32, K_pad]``.
+    """
+    _check_operand("a", a, 2)
+    _check_operand("b", b, 2)
+    _check_sm90(a)
+    _check_scale("a_scale", a_scale, a)
+    _check_scale("b_scale", b_scale, b)
+    N, T = a.shape
+    K, Tb = b.shape
+    if Tb != T:
+        raise ValueError(f"a has T={T} but b has T={Tb}")
+    if offs.dim() != 1:
+        raise ValueError(f"offs must be 1-D, got shape {tuple(offs.shape)}")
+    E = offs.shape[0]
+    _check_offs(offs, E, a.device)
+    if E == 0:
+        raise ValueError("offs must name at least one group")
+    if check_offsets and bool((offs % MX_BLOCK != 0).any()):
+        raise ValueError("every K-grouped offset must be a multiple of 32 (pad each group to 32 tokens)")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if out is None:
+        out = torch.empty(E, N, K, dtype=out_dtype, device=a.device)
+    elif out.shape != (E, N, K) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{E}, {N}, {K}] {out_dtype} tensor")
+    if N == 0 or K == 0:
+        return out
+    if T == 0:
+        return out.zero_()
+    cfg = config or sm90_tile_config(N, K, T, E, k_grouped=True)
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    KB = BK // MX_BLOCK
+    sa = sm90_scale_layout(a_scale)  # [T/32, N_pad]
+    sb = sm90_scale_layout(b_scale)  # [T/32, K_pad]
+    mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
+    grid = (min(_num_sms(a.device), E * mt * nt), )
+    sm90_mxfp8_grouped_gemm_kernel[grid](
+        _desc(a, [BM, BK]), _desc(b, [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, [KB, BN]),
+        out, offs, offs, E, 0, 0, mt, nt, N, K,
+        K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m,
+        SEARCH_STEPS=0, SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, num_warps=4 if cfg.split_wg else 8,
+        maxnreg=cfg.maxnreg)
+    return out

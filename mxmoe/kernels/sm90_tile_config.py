@@ -1,0 +1,39 @@
+"""Tile heuristics for the Hopper MXFP8 grouped GEMMs (kept apart so re-tuning never touches a kernel).
+
+Budgets that fix the choices (H200 / sm_90):
+
+* Registers: each consumer thread holds the FP32 accumulator and two FP32 partials (the step being
+  promoted and the step in flight). For an m64nBN warpgroup tile that is 3 * BN / 2 registers per
+  thread; with BN = 128 that is 192 of the 240 a consumer gets after ``setmaxnreg`` (the producer
+  warp keeps 24). BN = 256 would need 384: does not fit. Two consumer warpgroups stack along M,
+  so BM = 128.
+* Shared memory (227 KB per CTA): one stage holds A and B tiles (BM x BK + BN x BK bytes of FP8 =
+  32 KB at BK = 128) plus the FP32 scales (4 x BM + 4 x BN floats = 4 KB) -> 4 stages = 144 KB,
+  leaving room for the compiler's scratch.
+* BK = 128 = four MX steps per stage: few barrier round-trips, and a stage ends with all its
+  wgmmas retired (a wgmma kept in flight across the loop back-edge makes ptxas serialize them).
+* split_wg: each consumer warpgroup is its own partition (own barriers); measured equal to one
+  8-warp partition on the H200 (benchmarks/NOTES_grouped_gemm.md), kept for the independence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sm90TileConfig:
+    block_m: int = 128  # output rows per CTA tile (2 consumer warpgroups x 64)
+    block_n: int = 128  # output columns per CTA tile (wgmma n)
+    block_k: int = 128  # contraction depth per smem stage (multiple of 32)
+    stages: int = 4  # smem ring depth
+    group_m: int = 8  # m-tiles per supergroup inside one expert's sub-problem
+    split_wg: bool = True  # each consumer warpgroup its own partition (else one 8-warp partition)
+    maxnreg: int = 168  # per-thread cap at launch: 12 warps x 168 = producer warpgroup x 24 + 8 consumer
+    #                     warps x 240 after setmaxnreg (Triton's AllocateWarpGroups arithmetic)
+
+
+def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = False) -> Sm90TileConfig:
+    """Tile configuration for a grouped problem (sizes of the whole problem, not one group)."""
+    del m, n, k, num_groups, k_grouped  # one configuration for now; tuned variants go here
+    return Sm90TileConfig()
