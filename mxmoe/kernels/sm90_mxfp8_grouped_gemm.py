@@ -43,9 +43,9 @@ quantization kernel can write them directly): FP32 values that are exactly ``2^(
 (NaN for 0xFF), transposed so that one K step's scales for a tile's rows are contiguous:
 
 * activations (A, M-grouped):   ``[K/32, W]``, each expert group starting at a multiple of 4 columns
-  (a TMA box should start 16-byte aligned in its inner dim: groups starting at a row that is not
-  a multiple of 4 made the previous layout die with "illegal instruction"; this layout is the
-  fix, not yet run on a GPU)
+  (the address a TMA load starts at must be 16-byte aligned, cf. triton-lang/triton#7385: groups
+  starting at a row that is not a multiple of 4 made the previous layout die with "illegal
+  instruction"; this layout is the fix, not yet run on a GPU)
 * weights 1x32 (B, M-grouped):  ``[E * K/32, N_pad]``
 * weights 32x32 (B, M-grouped): ``[E * K/32, N/32 padded to 4]`` (one value per 32x32 tile)
 * wgrad operands (K-grouped):   ``[T/32, N_pad]`` and ``[T/32, K_pad]``
