@@ -431,13 +431,16 @@ def sm90_grouped_scale_layout(scale: torch.Tensor, offs: torch.Tensor, align: in
     counts = torch.diff(offs64, prepend=offs64.new_zeros(1))
     padded = (counts + align - 1) // align * align
     starts = torch.cumsum(padded, 0) - padded
-    width = (M + (align - 1) * E + align - 1) // align * align + align  # last `align` columns: a dump
-    rows = torch.arange(M, device=scale.device)
-    e = torch.searchsorted(offs64, rows, right=True)  # group of each row; E for rows past offs[-1]
-    ec = e.clamp(max=E - 1)
-    col = torch.where(e < E, starts[ec] + rows - (offs64[ec] - counts[ec]), torch.full_like(rows, width - 1))
-    out = torch.zeros(kb, width, dtype=torch.float32, device=scale.device)
-    out.index_copy_(1, col, _e8m0_to_f32(scale).T.contiguous())
+    width = (M + (align - 1) * E + align - 1) // align * align  # >= sum(padded), known without a sync
+    # Gather (deterministic): column c belongs to group g with starts[g] <= c < starts[g] + padded[g].
+    cols = torch.arange(width, device=scale.device)
+    g = torch.searchsorted(starts + padded, cols, right=True)
+    gc = g.clamp(max=E - 1)
+    i = cols - starts[gc]
+    valid = (g < E) & (i < counts[gc])
+    src = (offs64[gc] - counts[gc] + i).clamp(0, max(M - 1, 0))
+    vals = _e8m0_to_f32(scale).T  # [K/32, M]
+    out = torch.where(valid, vals.index_select(1, src), torch.zeros((), device=scale.device))
     return out, starts.to(torch.int32)
 
 
