@@ -8,6 +8,7 @@ and, on Blackwell, PyTorch's block-scaled grouped product (:mod:`mxmoe.kernels.s
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -83,6 +84,59 @@ def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str):
             q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK)))
 
 
-def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype):
-    """Fast-path MX grouped product of CUDA MXTensors, or None where no kernel covers the case."""
-    return None
+def sm90_gemm_backend(weight_block: int) -> str:
+    """Which Hopper route serves an MX grouped product.
+
+    ``"gluon"``: our warp-specialized MXFP8 kernel (FP8 wgmma + promotion every 32,
+    :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`). ``"bf16"``: exact expansion of the MX operands
+    to BF16 (:mod:`mxmoe.kernels.dequantize`) and BF16 ``torch._grouped_mm``. Chosen by the
+    environment variable ``MXMOE_SM90_GEMM`` (``gluon`` / ``bf16``); by default the route that
+    measured faster on an H200 for the weight block (benchmarks/results/h200/grouped_gemm.json).
+    """
+    choice = os.environ.get("MXMOE_SM90_GEMM", "auto")
+    if choice in ("gluon", "bf16"):
+        return choice
+    return _SM90_DEFAULT[weight_block]
+
+
+_SM90_DEFAULT = {1: "bf16", 32: "bf16"}
+
+
+def _kmajor(t):
+    """(data, row-major scale) of an MXTensor quantized along its last dim, contraction contiguous."""
+    data = t.data if t.data.stride(-1) == 1 else t.data.contiguous()
+    return data, t.scale.contiguous()
+
+
+def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted: bool = False):
+    """Fast-path MX grouped product of CUDA MXTensors, or None where no kernel covers the case.
+
+    ``trusted``: the caller guarantees the offsets (wgrad: multiples of 32), so no host sync.
+    """
+    major, _ = _capability(a.device.index or 0)
+    if major == 10:
+        from mxmoe.kernels.sm100 import sm100_mxfp8_grouped_mm
+
+        return sm100_mxfp8_grouped_mm(a, b, offs, out_dtype)
+    if (major, _) != (9, 0) or not _triton_ok() or out_dtype not in (torch.bfloat16, torch.float32):
+        return None
+    from mxmoe.formats import BLOCK
+
+    bt = b.mT  # [E, N, K] or [K, T]: contraction last
+    wb = BLOCK if b.block == (BLOCK, BLOCK) else 1
+    backend = sm90_gemm_backend(wb)
+    a_data, a_scale = _kmajor(a)
+    b_data, b_scale = _kmajor(bt)
+    if backend == "bf16":
+        from mxmoe.kernels.dequantize import dequantize_bf16
+
+        a16, b16 = dequantize_bf16(a_data, a_scale), dequantize_bf16(b_data, b_scale)
+        try:
+            return torch._grouped_mm(a16, b16.mT, offs, out_dtype=out_dtype)
+        except RuntimeError:  # builds whose grouped BF16 GEMM only writes BF16
+            return torch._grouped_mm(a16, b16.mT, offs).to(out_dtype)
+    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+
+    if b.dim() == 3:
+        return g.sm90_mxfp8_m_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, out_dtype, weight_block=wb)
+    return g.sm90_mxfp8_k_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, out_dtype, check_offsets=not trusted)

@@ -1,0 +1,173 @@
+"""MoE layer forward+backward: mxfp8 (1x32), mxfp8 with 32x32 weights, our bf16, and a plain
+per-expert PyTorch loop, on the DESIGN §5 shapes at 16384 tokens per step, same run, same GPU.
+
+    python benchmarks/bench_moe_layer.py [--out benchmarks/results/h200/moe_layer.json] [--tiny]
+
+Per row: median fwd+bwd ms (CUDA events over `--iters` steps after warm-up), peak memory of the
+step, memory held for backward (allocated after forward minus before), and, from one profiled
+step, the share of GPU kernel time spent in quantization kernels and a per-stage breakdown by
+kernel name (gemm / quantize / other).
+dsv3-ep32 has 8 local experts of 256 with top-8 globally; per GPU that is ~2 routed rows per token
+(M = 32768 for 16384 tokens), so the local layer is run with top_k = 2 of 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import mxmoe
+
+SHAPES = {  # name: (experts, dim, ffn, top_k) at 16384 tokens
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "llama4-scout": (16, 5120, 8192, 1),
+    "dsv3-ep32": (8, 7168, 2048, 2),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+}
+
+
+class LoopMoE(torch.nn.Module):
+    """How common model code writes it: route, then a Python loop over experts (BF16)."""
+
+    def __init__(self, moe: mxmoe.MoE):
+        super().__init__()
+        self.m = moe
+
+    def forward(self, x):
+        m = self.m
+        r = m.route(x)
+        y = torch.zeros_like(x)
+        for e in range(m.num_experts):
+            tok, j = torch.where(r.experts == e)
+            h = x[tok] @ m.w13[e].to(x.dtype).t()
+            g, u = h.split(m.ffn_dim, -1)
+            y.index_add_(0, tok, (F.silu(g) * u) @ m.w2[e].to(x.dtype).t() * r.weights[tok, j, None].to(x.dtype))
+        return y
+
+
+def skew_router(moe: mxmoe.MoE, x: torch.Tensor, skew: bool) -> None:
+    """Skewed routing: bias the router toward low expert ids (Zipf-like), some experts empty."""
+    if not skew:
+        return
+    with torch.no_grad():
+        E = moe.num_experts
+        direction = x.float().mean(0)
+        direction = direction / direction.norm()
+        zipf = torch.log(1.0 / torch.arange(1, E + 1, device=x.device, dtype=torch.float32))
+        moe.router.weight.add_(torch.outer(zipf * 4.0, direction))
+        moe.router.weight[E - max(1, E // 8):] -= 50.0 * direction  # last eighth of experts empty
+
+
+def step_time(fn, iters: int) -> float:
+    times = []
+    for i in range(iters + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernel_breakdown(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cats = {"gemm": 0.0, "quantize": 0.0, "other": 0.0}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        name = ev.key.lower()
+        if "quant" in name:
+            cats["quantize"] += t
+        elif any(k in name for k in ("gemm", "grouped_mm", "sm90", "cutlass", "nvjet", "matmul", "mma")):
+            cats["gemm"] += t
+        else:
+            cats["other"] += t
+    total = sum(cats.values()) or 1.0
+    return {k: v / total for k, v in cats.items()}
+
+
+def run_case(name, recipe, skew, tokens, iters, dev):
+    E, D, Fd, k = SHAPES[name]
+    torch.manual_seed(0)
+    x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16)
+    moe = mxmoe.MoE(D, Fd, E, k, recipe="bf16" if recipe == "loop" else recipe).to(dev)
+    skew_router(moe, x, skew)
+    layer = LoopMoE(moe) if recipe == "loop" else moe
+    xg = x.clone().requires_grad_()
+    dy = torch.randn_like(x)
+
+    def step():
+        y = layer(xg)
+        y.backward(dy)
+
+    step()
+    torch.cuda.synchronize()
+    moe.zero_grad(set_to_none=True)
+    ms = step_time(step, iters)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = layer(xg)
+    held = torch.cuda.memory_allocated() - base
+    y.backward(dy)
+    del y
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    shares = kernel_breakdown(step)
+    return {"ms": ms, "peak_mem_gib": peak / 2**30, "saved_for_bwd_gib": held / 2**30,
+            "quant_share": shares["quantize"], "breakdown": shares}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/h200/moe_layer.json")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--recipes", default="mxfp8,mxfp8_2d,bf16,loop")
+    ap.add_argument("--balance", default="balanced,skewed")
+    args = ap.parse_args()
+    dev = "cuda"
+    rows = []
+    for name in args.shapes.split(","):
+        for bal in args.balance.split(","):
+            res = {r: run_case(name, r, bal == "skewed", args.tokens, args.iters, dev) for r in args.recipes.split(",")}
+            for r, v in res.items():
+                if r in ("bf16", "loop"):
+                    continue
+                row = {"shape": name, "balance": bal, "recipe": r, "tokens": args.tokens, **v,
+                       "bf16_ms": res.get("bf16", {}).get("ms"), "loop_ms": res.get("loop", {}).get("ms"),
+                       "bf16_peak_mem_gib": res.get("bf16", {}).get("peak_mem_gib"),
+                       "bf16_saved_for_bwd_gib": res.get("bf16", {}).get("saved_for_bwd_gib")}
+                row["speedup_vs_bf16"] = row["bf16_ms"] / v["ms"] if row["bf16_ms"] else None
+                row["speedup_vs_loop"] = row["loop_ms"] / v["ms"] if row["loop_ms"] else None
+                rows.append(row)
+                print(f"{name:14s} {bal:8s} {r:9s} {v['ms']:8.2f} ms  bf16 {row['bf16_ms'] or 0:8.2f}  loop {row['loop_ms'] or 0:8.2f}"
+                      f"  x{row['speedup_vs_bf16'] or 0:.2f} vs bf16  x{row['speedup_vs_loop'] or 0:.2f} vs loop"
+                      f"  peak {v['peak_mem_gib']:.2f} GiB  saved {v['saved_for_bwd_gib']:.2f} (bf16 {row['bf16_saved_for_bwd_gib'] or 0:.2f})"
+                      f"  quant {100 * v['quant_share']:.0f}%", flush=True)
+            torch.cuda.empty_cache()
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
