@@ -34,12 +34,16 @@ from mxmoe.layouts import blocked_group_offsets, blocked_numel, to_blocked  # no
 
 ACTS = [(32768, 7168), (131072, 2048), (16384, 5120)]
 WEIGHTS = [(8, 28672, 4096), (128, 1536, 2048)]
-SWEEP = {  # _TUNED key -> candidate (BM, BK, num_warps)
-    "row": [(32, 256, 4), (64, 256, 8), (32, 512, 4), (64, 128, 4)],
-    "col": [(32, 256, 4), (32, 512, 8), (64, 256, 4), (64, 128, 4)],
-    "colrow": [(32, 256, 4), (32, 512, 8), (64, 256, 4), (64, 128, 4)],
-    "colrow32": [(32, 256, 4), (32, 512, 8), (64, 256, 4), (64, 128, 4)],
-    "grouped": [(32, 256, 4), (64, 256, 8), (32, 512, 4), (128, 128, 8)],
+P, NP = True, False  # persistent (prefetching) launch / one program per tile
+SWEEP = {  # _TUNED key -> candidate (BM, BK, num_warps, persistent)
+    "row": [(32, 256, 4, P), (32, 256, 4, NP), (64, 256, 8, P), (32, 128, 4, P), (32, 512, 8, P)],
+    "col": [(32, 256, 4, P), (32, 256, 4, NP), (64, 128, 4, P), (32, 128, 4, P), (64, 64, 2, P),
+            (128, 64, 4, P), (64, 128, 8, P)],
+    "colrow": [(32, 256, 4, P), (32, 256, 4, NP), (64, 128, 4, P), (32, 128, 4, P), (64, 64, 2, P),
+               (128, 64, 4, P), (64, 128, 8, P)],
+    "colrow32": [(32, 256, 4, P), (32, 256, 4, NP), (64, 128, 4, P), (32, 128, 4, P), (64, 64, 2, P),
+                 (128, 64, 4, P), (64, 128, 8, P)],
+    "grouped": [(32, 256, 4, P), (32, 256, 4, NP), (64, 256, 8, P), (32, 128, 4, P), (32, 512, 8, P)],
 }
 
 
@@ -97,6 +101,7 @@ def cases(x: torch.Tensor, is_weight: bool):
         out += [
             ("rowwise", "row", lambda: Q.quantize_rowwise(x)),
             ("rowwise_blocked", "row", lambda: Q.quantize_rowwise(x, scale_layout="blocked")),
+            ("rowwise_sm90", "row", lambda: Q.quantize_rowwise(x, scale_layout="sm90")),
             ("columnwise", "col", lambda: Q.quantize_columnwise(x)),
             ("dual", "colrow", lambda: Q.quantize_dual(x)),
         ]
@@ -112,6 +117,7 @@ def cases(x: torch.Tensor, is_weight: bool):
             ("weight_columnwise", "col", lambda: Q.quantize_columnwise(x)),
             ("weight_1x32_both", "colrow", lambda: Q.quantize_dual(x)),
             ("weight_32x32_both", "colrow32", lambda: Q.quantize_32x32(x)),
+            ("weight_32x32_both_sm90", "colrow32", lambda: Q.quantize_32x32(x, scale_layout="sm90")),
         ]
     return out
 
@@ -150,6 +156,33 @@ def torchao_fn(x: torch.Tensor):
     except Exception as e:  # noqa: BLE001
         return None, f"torchao not importable here ({type(e).__name__}: {e})"
     return (lambda: AoMX.to_mx(x, torch.float8_e4m3fn, 32)), None
+
+
+SWEPT = ("rowwise", "columnwise", "dual", "grouped_8", "weight_rowwise_blocked", "weight_columnwise",
+         "weight_1x32_both", "weight_32x32_both")
+
+
+def cfg_name(cfg) -> str:
+    bm, bk, w, persistent = cfg
+    return f"{bm}x{bk}/w{w}/{'persistent' if persistent else 'grid'}"
+
+
+def select_best(rows) -> dict:
+    """Per kernel family: the swept config with the best geometric-mean ratio over all its rows."""
+    import math
+    from collections import defaultdict
+
+    ratios = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["config"].startswith("sweep "):
+            ratios[r["key"]][r["config"][6:]].append(r["ratio"])
+    best = {}
+    for key, by_cfg in ratios.items():
+        n = max(len(v) for v in by_cfg.values())
+        score = {c: math.exp(sum(map(math.log, v)) / len(v)) for c, v in by_cfg.items() if len(v) == n}
+        name = max(score, key=score.get)
+        best[key] = next(c for c in SWEEP[key] if cfg_name(c) == name)
+    return best
 
 
 def _precompile_worker(jobs):
@@ -219,10 +252,10 @@ def main():
     rows = []
     notes = []
 
-    def record(kernel, shape, total_bytes, ms, config="auto", extra=None):
+    def record(kernel, shape, total_bytes, ms, config="auto", key=None, extra=None):
         cp = copy_tbps(total_bytes)
         tb = total_bytes / ms / 1e9
-        row = {"kernel": kernel, "shape": "x".join(map(str, shape)), "config": config, "bytes": total_bytes,
+        row = {"kernel": kernel, "shape": "x".join(map(str, shape)), "config": config, "key": key, "bytes": total_bytes,
                "ms": round(ms, 5), "tbps": round(tb, 4), "copy_tbps": round(cp, 4), "ratio": round(tb / cp, 4),
                "gpu": meta["gpu"]}
         if extra:
@@ -241,22 +274,21 @@ def main():
             check(name, x, out)
             total = in_bytes + nbytes(*[t for t in out if isinstance(t, torch.Tensor) and t.dtype != torch.int32])
             del out
-            if args.sweep and key is not None and name in ("rowwise", "columnwise", "dual", "grouped_8",
-                                                           "weight_columnwise", "weight_1x32_both",
-                                                           "weight_32x32_both", "weight_rowwise_blocked"):
+            if args.sweep and key is not None and name in SWEPT:
                 saved = Q._TUNED.get(key)
                 for cfg in SWEEP[key]:
                     Q._TUNED[key] = cfg
                     try:
                         fn()
-                        record(name, shape, total, bench_ms(fn), config="sweep " + "/".join(map(str, cfg)))
+                        record(name, shape, total, bench_ms(fn), config="sweep " + cfg_name(cfg), key=key)
                     except Exception as e:  # noqa: BLE001
                         print(f"sweep {name} {cfg}: {type(e).__name__}: {e}", flush=True)
                 if saved is None:
                     Q._TUNED.pop(key, None)
                 else:
                     Q._TUNED[key] = saved
-            record(name, shape, total, bench_ms(fn))
+            cfg = Q._TUNED.get(key) or _default_cfg(key)
+            record(name, shape, total, bench_ms(fn), config="auto " + cfg_name(cfg), key=key)
         # peers
         if not args.no_reference:
             ref_fn = (lambda: quantize(x, axis=-1))
@@ -281,6 +313,8 @@ def main():
         if DEV == "cuda":
             torch.cuda.empty_cache()
 
+    best = select_best(rows) if args.sweep else {}
+    meta["best_configs"] = {k: list(v) for k, v in best.items()}
     meta["notes"] = notes
     meta["wall_s"] = round(time.time() - t_start, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -292,8 +326,16 @@ def main():
         print("note:", n)
     print(f"{'kernel':24s} {'shape':>16s} {'TB/s':>7s} {'copy':>7s} {'% copy':>7s}")
     for r in rows:
-        if r["config"] == "auto":
-            print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%")
+        if r["config"].startswith("auto"):
+            print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%"
+                  f"  {r['config']}")
+    if best:
+        print("\nbest config per kernel family (geometric mean over the swept shapes):")
+        for r in rows:
+            if r["key"] in best and r["config"] == "sweep " + cfg_name(best[r["key"]]):
+                print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} "
+                      f"{100 * r['ratio']:6.1f}%  {r['config']}")
+        print("_TUNED =", {k: tuple(v) for k, v in best.items()})
     print(f"wall {meta['wall_s']} s -> {args.out}")
 
 

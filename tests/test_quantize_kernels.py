@@ -32,6 +32,7 @@ from mxmoe.formats import quantize  # noqa: E402
 from mxmoe.layouts import blocked_group_offsets, to_blocked, to_blocked_grouped  # noqa: E402
 
 RULES = ("rceil", "floor")
+LAYOUTS = ("row_major", "blocked", "sm90")
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -88,6 +89,29 @@ def same_bytes(got: torch.Tensor, want: torch.Tensor, what: str):
                               f"{bad[0].tolist()}: got {got_b[tuple(bad[0])]:#04x} want {want_b[tuple(bad[0])]:#04x}")
 
 
+def sm90_ref(scale: torch.Tensor) -> torch.Tensor:
+    """The Hopper GEMM's scale layout of row-major scales [.., R, C]: FP32 2^(b-127) (byte 0 ->
+    2^-127, 0xFF -> NaN 0x7FC00000), transposed to [.., C, ceil4(R)], zero padded (the contract of
+    sm90_mxfp8_grouped_gemm.sm90_scale_layout; the tests check both agree where it imports)."""
+    b = scale.view(torch.uint8).to(torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
+    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
+    vals = bits.view(torch.float32).transpose(-2, -1)
+    r = vals.shape[-1]
+    out = torch.zeros(*vals.shape[:-1], -(-r // 4) * 4, dtype=torch.float32, device=scale.device)
+    out[..., :r] = vals
+    return out
+
+
+def scale_ref(scale: torch.Tensor, layout: str) -> torch.Tensor:
+    """Expected kernel scales for row-major reference scales in a given layout."""
+    if layout == "row_major":
+        return scale
+    if layout == "blocked":
+        return blocked_per_batch(scale)
+    return sm90_ref(scale)
+
+
 def blocked_per_batch(scale: torch.Tensor) -> torch.Tensor:
     """Reference blocked layout of [.., rows, cols] scales, one blocked matrix per batch entry."""
     if scale.dim() == 2:
@@ -105,15 +129,14 @@ def check_rowwise(Q, x, rule, layout, tag):
     ref = quantize(_ref_input(x), axis=-1, scale_rule=rule)
     data, scale = Q.quantize_rowwise(x, rule, layout)
     same_bytes(data, ref.data, f"{tag} rowwise data")
-    same_bytes(scale, ref.scale if layout == "row_major" else blocked_per_batch(ref.scale), f"{tag} rowwise scale")
+    same_bytes(scale, scale_ref(ref.scale, layout), f"{tag} rowwise {layout} scale")
 
 
 def check_columnwise(Q, x, rule, layout, tag):
     ref = quantize(_ref_input(x), axis=-2, scale_rule=rule)
     data_t, scale_t = Q.quantize_columnwise(x, rule, layout)
     same_bytes(data_t, ref.data.mT, f"{tag} columnwise data")
-    want = ref.scale.mT.contiguous()
-    same_bytes(scale_t, want if layout == "row_major" else blocked_per_batch(want), f"{tag} columnwise scale")
+    same_bytes(scale_t, scale_ref(ref.scale.mT.contiguous(), layout), f"{tag} columnwise {layout} scale")
     if layout == "row_major":
         mx = Q.columnwise_mxtensor(data_t, scale_t, rule)
         assert mx.axis == x.dim() - 2 and tuple(mx.shape) == tuple(x.shape)
@@ -125,23 +148,26 @@ def check_dual(Q, x, rule, layout, tag):
     r = quantize(_ref_input(x), axis=-1, scale_rule=rule)
     c = quantize(_ref_input(x), axis=-2, scale_rule=rule)
     d, s, dt, st = Q.quantize_dual(x, rule, layout)
-    blk = (lambda t: t) if layout == "row_major" else blocked_per_batch
     same_bytes(d, r.data, f"{tag} dual row data")
-    same_bytes(s, blk(r.scale), f"{tag} dual row scale")
+    same_bytes(s, scale_ref(r.scale, layout), f"{tag} dual row {layout} scale")
     same_bytes(dt, c.data.mT, f"{tag} dual col data")
-    same_bytes(st, blk(c.scale.mT.contiguous()), f"{tag} dual col scale")
+    same_bytes(st, scale_ref(c.scale.mT.contiguous(), layout), f"{tag} dual col {layout} scale")
 
 
 def check_32x32(Q, x, rule, layout, tag):
     r = quantize(_ref_input(x), axis=-1, scale_rule=rule, block=(32, 32))
     c = quantize(_ref_input(x), axis=-2, scale_rule=rule, block=(32, 32))
     d, s, dt, st = Q.quantize_32x32(x, rule, layout)
-    blk = (lambda t: t) if layout == "row_major" else blocked_per_batch
+    st_ref = c.scale.mT.contiguous()  # [.., K, N/32]
+    if layout == "sm90":  # compact: one value per 32x32 tile
+        want_s, want_st = sm90_ref(r.scale[..., ::32, :]), sm90_ref(st_ref[..., ::32, :])
+    else:
+        want_s, want_st = scale_ref(r.scale, layout), scale_ref(st_ref, layout)
     same_bytes(d, r.data, f"{tag} 32x32 data")
-    same_bytes(s, blk(r.scale), f"{tag} 32x32 scale")
+    same_bytes(s, want_s, f"{tag} 32x32 {layout} scale")
     same_bytes(dt, c.data.mT, f"{tag} 32x32 transposed data")
     same_bytes(dt, d.mT, f"{tag} 32x32 transposed data == data.mT")
-    same_bytes(st, blk(c.scale.mT.contiguous()), f"{tag} 32x32 transposed scale")
+    same_bytes(st, want_st, f"{tag} 32x32 transposed {layout} scale")
 
 
 def check_grouped(Q, x, offs_list, rule, tag, extra_rows=0):
@@ -171,7 +197,7 @@ def _case_rowwise(Q, dev, gen):
     for dt in DTYPES:
         for rule in RULES:
             x = with_special_blocks(wide_randn((100, 224), dt, "cpu", gen), -1).to(dev)
-            for layout in ("row_major", "blocked"):
+            for layout in LAYOUTS:
                 check_rowwise(Q, x, rule, layout, f"{dt} {rule} {layout}")
 
 
@@ -179,7 +205,7 @@ def _case_columnwise(Q, dev, gen):
     for dt in DTYPES:
         for rule in RULES:
             x = with_special_blocks(wide_randn((96, 72), dt, "cpu", gen), 0).to(dev)
-            for layout in ("row_major", "blocked"):
+            for layout in LAYOUTS:
                 check_columnwise(Q, x, rule, layout, f"{dt} {rule} {layout}")
 
 
@@ -188,7 +214,7 @@ def _case_dual(Q, dev, gen):
         for rule in RULES:
             x = wide_randn((160, 96), dt, "cpu", gen)
             x = with_special_blocks(with_special_blocks(x, -1), 0).to(dev)
-            for layout in ("row_major", "blocked"):
+            for layout in LAYOUTS:
                 check_dual(Q, x, rule, layout, f"{dt} {rule} {layout}")
 
 
@@ -198,7 +224,7 @@ def _case_batched_weights(Q, dev, gen):
         w = wide_randn((3, 64, 96), dt, "cpu", gen)
         w[1] = with_special_blocks(w[1], -1)
         w = w.to(dev)
-        for rule, layout in (("rceil", "row_major"), ("floor", "blocked")):
+        for rule, layout in (("rceil", "row_major"), ("floor", "blocked"), ("rceil", "sm90")):
             check_rowwise(Q, w, rule, layout, f"{dt} {rule} {layout}")
             check_columnwise(Q, w, rule, layout, f"{dt} {rule} {layout}")
             check_dual(Q, w, rule, layout, f"{dt} {rule} {layout}")
@@ -210,7 +236,7 @@ def _case_32x32(Q, dev, gen):
             w = wide_randn((2, 64, 160), dt, "cpu", gen)
             w[0] = with_special_blocks(w[0], -1)
             w = w.to(dev)
-            for layout in ("row_major", "blocked"):
+            for layout in LAYOUTS:
                 check_32x32(Q, w, rule, layout, f"{dt} {rule} {layout}")
             check_32x32(Q, w[1], rule, "row_major", f"{dt} {rule} 2D")
 
@@ -303,6 +329,19 @@ def interpreter_results():
 def test_interpreter(interpreter_results, case):
     err = interpreter_results[case]
     assert err is None, err
+
+
+def test_sm90_ref_matches_gemm_contract():
+    """Our reading of the Hopper GEMM's scale layout equals its own helper (where it imports)."""
+    try:
+        from mxmoe.kernels.sm90_mxfp8_grouped_gemm import sm90_scale_layout
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"sm90 GEMM module not importable here: {e}")
+    gen = torch.Generator().manual_seed(3)
+    b = torch.randint(0, 256, (3, 37, 11), generator=gen, dtype=torch.int32).to(torch.uint8)
+    b[0, 0, :3] = torch.tensor([0, 255, 254], dtype=torch.uint8)
+    s = b.view(torch.float8_e8m0fnu)
+    same_bytes(sm90_ref(s).view(torch.int32), sm90_scale_layout(s).view(torch.int32), "sm90 layout contract")
 
 
 def test_import_does_not_need_triton():

@@ -38,7 +38,7 @@ from mxmoe.formats import BLOCK, MXTensor, ScaleRule
 from mxmoe.layouts import blocked_group_offsets, blocked_numel
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_LAYOUTS = ("row_major", "blocked")
+_LAYOUTS = ("row_major", "blocked", "sm90")  # kernel codes 0, 1, 2
 
 
 def _kernels():
@@ -58,31 +58,35 @@ def _interpreting() -> bool:
 # Tile heuristics (kept out of the kernel bodies)
 # ----------------------------------------------------------------------------------------------
 
-def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int) -> tuple[int, int, int]:
-    """(BM, BK, num_warps) for mx_quantize_kernel.
+def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int) -> tuple[int, int, int, bool]:
+    """(BM, BK, num_warps, persistent) for mx_quantize_kernel.
 
-    Rowwise tiles are wide along K (long contiguous row segments, 16-byte loads); anything with a
-    columnwise output uses square-ish tiles so the transposed store also writes long runs along M.
-    Each program moves 16-32 KB of input: several programs per SM keep enough bytes in flight.
+    A [BM, BK] tile is 16-32 KB of BF16 input: 16-byte loads along K, BM a multiple of 32 rows.
+    Persistent launches (as many programs as fit, each prefetching its next tile) keep loads in
+    flight while a program reduces, converts and stores; kernels with a columnwise output have a
+    long dependent chain per tile (cross-warp reductions, the transpose through shared memory)
+    and need that most. Values from benchmarks/bench_quantize.py --sweep on an H200.
     """
     if _interpreting():  # few large programs: the interpreter's cost is per program
-        return 128, 256, 4
-    cfg = _TUNED.get(("col" if col else "") + ("row" if row else "") + ("32" if tile32 else ""))
+        return 128, 256, 4, True
+    key = ("col" if col else "") + ("row" if row else "") + ("32" if tile32 else "")
+    cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    return 32, 256, 4
+    return 32, 256, 4, True
 
 
-# Filled from benchmark sweeps on an H200 (benchmarks/bench_quantize.py --sweep).
-_TUNED: dict[str, tuple[int, int, int]] = {}
+# Filled from benchmark sweeps on an H200 (benchmarks/bench_quantize.py --sweep); keys:
+# "row", "col", "colrow" (dual), "colrow32" / "row32" (32x32 tiles), "grouped".
+_TUNED: dict[str, tuple[int, int, int, bool]] = {}
 
 
-def _config_grouped(K: int) -> tuple[int, int, int]:
-    """(BM, BK, num_warps) for mx_quantize_grouped_kernel (BM must divide 128)."""
+def _config_grouped(K: int) -> tuple[int, int, int, bool]:
+    """(BM, BK, num_warps, persistent) for mx_quantize_grouped_kernel (BM must divide 128)."""
     if _interpreting():
-        return 128, 256, 4
+        return 128, 256, 4, True
     cfg = _TUNED.get("grouped")
-    return cfg if cfg is not None else (32, 256, 4)
+    return cfg if cfg is not None else (32, 256, 4, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,19 +117,21 @@ def _rule(scale_rule) -> int:
     return 1 if ScaleRule(scale_rule) is ScaleRule.RCEIL else 0
 
 
-def _layout(scale_layout: str) -> bool:
+def _layout(scale_layout: str) -> int:
     if scale_layout not in _LAYOUTS:
         raise ValueError(f"scale_layout must be one of {_LAYOUTS}, got {scale_layout!r}")
-    return scale_layout == "blocked"
+    return _LAYOUTS.index(scale_layout)
 
 
-def _alloc_scales(B: int, rows: int, cols: int, blocked: bool, device) -> torch.Tensor:
-    """uint8 scale storage (the kernels store bytes; callers view it as float8_e8m0fnu)."""
-    if blocked:
-        s = torch.empty(B, blocked_numel(rows, cols), dtype=torch.uint8, device=device)
-    else:
-        s = torch.empty(B, rows, cols, dtype=torch.uint8, device=device)
-    return s
+def _alloc_scales(B: int, rows: int, cols: int, layout: int, device) -> torch.Tensor:
+    """Scale storage of a [rows, cols] scale matrix per batch entry: uint8 bytes (row-major or
+    blocked; callers view them as float8_e8m0fnu) or, for "sm90", int32 bits of FP32 values,
+    transposed to [cols, ceil4(rows)] (callers view them as float32)."""
+    if layout == 1:
+        return torch.empty(B, blocked_numel(rows, cols), dtype=torch.uint8, device=device)
+    if layout == 2:
+        return torch.empty(B, cols, -(-rows // 4) * 4, dtype=torch.int32, device=device)
+    return torch.empty(B, rows, cols, dtype=torch.uint8, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,49 +139,86 @@ def _alloc_scales(B: int, rows: int, cols: int, blocked: bool, device) -> torch.
 # ----------------------------------------------------------------------------------------------
 
 def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: bool, tile32: bool, name: str):
-    blocked = _layout(scale_layout)
+    layout = _layout(scale_layout)
     rceil = _rule(scale_rule)
     x3, was_2d = _check(x, name, need_k32=row or tile32, need_m32=col or tile32)
     B, M, K = x3.shape
     dev = x.device
 
+    scale_dtype = torch.float32 if layout == 2 else torch.float8_e8m0fnu
+
     def finish(t, dtype):
         return (t[0] if was_2d else t).view(dtype)
 
     qr = sr = qc = sc = None
+    compact = tile32 and layout == 2  # the Hopper layout keeps one value per 32x32 tile
     if row:
         qr = torch.empty(B, M, K, dtype=torch.uint8, device=dev)
-        sr = _alloc_scales(B, M, K // BLOCK, blocked, dev)
+        sr = _alloc_scales(B, M // BLOCK if compact else M, K // BLOCK, layout, dev)
     if col:
         qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev)
-        sc = _alloc_scales(B, K, M // BLOCK, blocked, dev)
+        sc = _alloc_scales(B, K // BLOCK if compact else K, M // BLOCK, layout, dev)
     if x3.numel() > 0 and B > 0:
-        BM, BK, num_warps = _config_2d(M, K, row, col, tile32, x.element_size())
-        cover = 128 if blocked else 1
+        BM, BK, num_warps, persistent = _config_2d(M, K, row, col, tile32, x.element_size())
+        cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        grid = (triton_cdiv(m_cover, BM), triton_cdiv(k_cover, BK), B)
-        if grid[1] > 65535 or grid[2] > 65535:
-            raise ValueError(f"{name}: shape {tuple(x.shape)} exceeds the launch grid (K/{BK} and B must be <= 65535)")
+        total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
         dummy = qr if qr is not None else qc
-        _kernels().mx_quantize_kernel[grid](
-            x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
-            M, K, x3.stride(0), x3.stride(1), x3.stride(2),
-            sr[0].numel() if row else 0, sc[0].numel() if col else 0,
-            rceil,
-            ROW=row, COL=col, TILE32=tile32, ROW_BLOCKED=blocked, COL_BLOCKED=blocked,
-            BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps,
-        )
+        args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
+                M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
+                sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
+        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout,
+                      BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        kernel = _kernels().mx_quantize_kernel
+        grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if persistent else total,)
+        kernel[grid](*args, **kwargs)
     out = []
     if row:
-        out += [finish(qr, torch.float8_e4m3fn), finish(sr, torch.float8_e8m0fnu)]
+        out += [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)]
     if col:
-        out += [finish(qc, torch.float8_e4m3fn), finish(sc, torch.float8_e8m0fnu)]
+        out += [finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype)]
     return tuple(out)
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_OCCUPANCY: dict = {}
+
+
+def _persistent_grid(kernel, args, kwargs, total: int, device: torch.device) -> int:
+    """Programs of a persistent launch: as many as fit on the GPU at once (never more than tiles).
+
+    Occupancy comes from the compiled kernel's registers, warps and shared memory (Hopper: 64K
+    registers, 64 warps, 32 CTAs and 227 KB of shared memory per SM). Under the interpreter the
+    grid is about half the tiles, so programs run the prefetch loop more than once.
+    """
+    if _interpreting():
+        return max(1, min(total, 3, (total + 1) // 2))
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else id(kernel), device.index,
+           tuple((a.dtype, a.stride(-1) == 1) if isinstance(a, torch.Tensor) else None for a in args),
+           tuple(sorted(kwargs.items())))
+    per_sm = _OCCUPANCY.get(key)
+    if per_sm is None:
+        per_sm = 4
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            compiled._init_handles()
+            warps = compiled.metadata.num_warps
+            regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
+            smem = compiled.metadata.shared
+            per_sm = min(65536 // (regs_per_warp * warps), 64 // warps, 32,
+                         (227 * 1024) // smem if smem else 32)
+            per_sm = max(per_sm, 1)
+        except Exception:  # pragma: no cover - older/newer triton internals: keep the default
+            pass
+        _OCCUPANCY[key] = per_sm
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(total, per_sm * n_sm))
 
 
 def quantize_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
@@ -282,13 +325,15 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
     scale = torch.empty(padded_rows * triton_cdiv(cols, 4) * 4, dtype=torch.uint8, device=x.device)
     n_tiles = max(triton_cdiv(M, 128) + E, padded_rows // 128)
     if n_tiles > 0 and K > 0:
-        BM, BK, num_warps = _config_grouped(K)
-        grid = (n_tiles * (128 // BM), triton_cdiv(triton_cdiv(K, 128) * 128, BK))
+        BM, BK, num_warps, persistent = _config_grouped(K)
+        n_row_tiles = n_tiles * (128 // BM)
+        total = n_row_tiles * triton_cdiv(triton_cdiv(K, 128) * 128, BK)
         EP = max(16, 1 << max(E - 1, 0).bit_length())
-        _kernels().mx_quantize_grouped_kernel[grid](
-            x, data, scale, offs, M, K, x.stride(0), x.stride(1), E, padded_rows, rceil,
-            EP=EP, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps,
-        )
+        args = (x, data, scale, offs, M, K, x.stride(0), x.stride(1), E, n_row_tiles, padded_rows, rceil)
+        kwargs = dict(EP=EP, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        kernel = _kernels().mx_quantize_grouped_kernel
+        grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if persistent else total,)
+        kernel[grid](*args, **kwargs)
     return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_offs
 
 

@@ -104,156 +104,237 @@ def _blocked_index(r, c, n_col_tiles):
 
 
 @triton.jit
-def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, n_col_tiles, BLOCKED: tl.constexpr):
-    """Store scale bytes of entries (r, c) of a [n_rows, n_cols] scale matrix, row-major or blocked.
+def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, n_col_tiles, LAYOUT: tl.constexpr):
+    """Store the scales (r, c) of a [n_rows, n_cols] scale matrix; LAYOUT picks the storage.
 
-    Blocked stores also write the zero padding (rows up to a multiple of 128, columns up to a
-    multiple of 4): the caller passes byte 0 there (a zero block).
+    0 row-major bytes. 1 cuBLAS 128x4 blocked bytes, zero padding included (rows up to a multiple
+    of 128, columns up to a multiple of 4; the caller passes byte 0 there, a zero block). 2 the
+    Hopper GEMM's layout (sm90_mxfp8_grouped_gemm.sm90_scale_layout): FP32 values 2^(b-127)
+    stored as their bits, transposed to [n_cols, ceil4(n_rows)] with zero padding; byte 0 is the
+    subnormal 2^-127 (0x00400000), byte 255 a NaN (0x7FC00000).
     """
     r64 = r.to(tl.int64)
-    if BLOCKED:
+    if LAYOUT == 1:
         mask = (r < ((n_rows + 127) // 128) * 128) & (c < n_col_tiles * 4)
         tl.store(s_ptr + _blocked_index(r64, c, n_col_tiles), byte.to(tl.uint8), mask=mask)
+    elif LAYOUT == 2:
+        rows_pad = (n_rows + 3) // 4 * 4
+        bits = tl.where(byte == 0, 0x00400000, tl.where(byte == 255, 0x7FC00000, byte << 23))
+        bits = tl.where(r < n_rows, bits, 0)
+        mask = (r < rows_pad) & (c < n_cols)
+        tl.store(s_ptr + c.to(tl.int64) * rows_pad + r64, bits.to(tl.int32), mask=mask)
     else:
         mask = (r < n_rows) & (c < n_cols)
         tl.store(s_ptr + r64 * n_cols + c, byte.to(tl.uint8), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rceil"])
-def mx_quantize_kernel(
-    x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
-    M, K,
-    stride_xb, stride_xm, stride_xk,
-    sr_stride_b, sc_stride_b,
-    rceil,
+@triton.jit
+def _tile_coords(t, n_m, n_k):
+    """Tile index -> (batch, m-tile, k-tile), m fastest: programs running at the same time take
+    neighbouring tiles along M, so the transposed outputs they write fill whole L2 lines."""
+    tm = t % n_m
+    rest = t // n_m
+    return rest // n_k, tm, rest % n_k
+
+
+@triton.jit
+def _load_tile(x_ptr, t, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk,
+               BM: tl.constexpr, BK: tl.constexpr):
+    """The [BM, BK] input tile number t (zeros past the edges and for t >= total)."""
+    b, tm, tk = _tile_coords(t, n_m, n_k)
+    m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
+    k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    mask = (m < M) & (k < K) & (t < total)
+    ptrs = x_ptr + b.to(tl.int64) * stride_xb + m.to(tl.int64) * stride_xm + k.to(tl.int64) * stride_xk
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _quantize_tile(
+    x_raw, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
-    ROW_BLOCKED: tl.constexpr, COL_BLOCKED: tl.constexpr,
+    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
-    """Quantize one [BM, BK] tile of x[b] ([B, M, K], any strides) to MXFP8.
-
-    ROW: data qr[b] [M, K] + scales sr[b] [M, K/32] (1x32 blocks along K, or the 32x32 tile's).
-    COL: data qc[b] [K, M] (x transposed, M contiguous) + scales sc[b] [K, M/32] (blocks along M).
-    TILE32: one scale per 32x32 tile; ROW and COL outputs then hold the same data bytes.
-    Grid: (cdiv(M_cover, BM), cdiv(K_cover, BK), B); the cover extends M and K to multiples of
-    128 when a blocked scale layout needs its zero padding written.
-
-        K ->  nb=0     nb=1  ...          one program:
-      M  +--------+--------+              [BM, BK] tile -> 4D [BM/32, 32, BK/32, 32]
-      |  | 32x32  | 32x32  |              row blocks: 1 x 32 (along K)
-      v  +--------+--------+              col blocks: 32 x 1 (along M)
-    """
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_b = tl.program_id(2).to(tl.int64)
+    """Quantize and store one loaded tile (see mx_quantize_kernel)."""
+    b, tm, tk = _tile_coords(t, n_m, n_k)
+    b64 = b.to(tl.int64)
     MB: tl.constexpr = BM // 32
     NB: tl.constexpr = BK // 32
-    # 2D load (the compiler lays threads along K: 16-byte loads), then a 4D view for the reductions
-    m = pid_m * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
-    k = pid_k * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
+    k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
     m64 = m.to(tl.int64)
     k64 = k.to(tl.int64)
     in_bounds = (m < M) & (k < K)
-    x = tl.load(x_ptr + pid_b * stride_xb + m64 * stride_xm + k64 * stride_xk, mask=in_bounds, other=0.0)
-    x = tl.reshape(_to_f32(x), (MB, 32, NB, 32))
+    x = tl.reshape(_to_f32(x_raw), (MB, 32, NB, 32))
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    plane = pid_b * M * K  # offset of batch b in the [B, M, K] / [B, K, M] data outputs
+    plane = b64 * M * K  # offset of batch b in the [B, M, K] / [B, K, M] data outputs
     mb = tl.arange(0, MB)
     ii = tl.arange(0, 32)
     nb = tl.arange(0, NB)
     jj = tl.arange(0, 32)
-    if TILE32:
-        byte = _e8m0_from_amax_bits(tl.max(tl.max(bits, axis=3), axis=1), rceil)  # [MB, NB]
-        byte4 = byte[:, None, :, None]
-        d = tl.reshape(_quantize_elems(x, byte4, SOFT_CVT), (BM, BK))
+    # block maxima (as FP32 bits): rows [MB, 32, NB], columns [MB, NB, 32]
+    if ROW:
+        amax_r = tl.max(bits, axis=3)
+    if COL or TILE32:
+        amax_c = tl.max(bits, axis=1)
+    if TILE32:  # one max per 32x32 tile, spread back over both block shapes
+        tile = tl.max(amax_c, axis=2)  # [MB, NB]
+        amax_c = tl.maximum(amax_c, tile[:, :, None])
         if ROW:
-            tl.store(qr_ptr + plane + m64 * K + k, d, mask=in_bounds)
-            r = pid_m * BM + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
-            c = pid_k * NB + nb[None, None, :]  # [1, 1, NB]
-            s = tl.broadcast_to(byte[:, None, :], (MB, 32, NB))
-            _store_scales(sr_ptr + pid_b * sr_stride_b, r, c, s, M, K // 32, (K // 32 + 3) // 4, ROW_BLOCKED)
-        if COL:
-            tl.store(qc_ptr + plane + k64 * M + m, d, mask=in_bounds)
-            r = pid_k * BK + nb[None, :, None] * 32 + jj[None, None, :]  # [1, NB, 32]
-            c = pid_m * MB + mb[:, None, None]  # [MB, 1, 1]
-            s = tl.broadcast_to(byte[:, :, None], (MB, NB, 32))
-            _store_scales(sc_ptr + pid_b * sc_stride_b, r, c, s, K, M // 32, (M // 32 + 3) // 4, COL_BLOCKED)
-    else:
-        if ROW:
-            byte = _e8m0_from_amax_bits(tl.max(bits, axis=3), rceil)  # [MB, 32, NB]
-            byte4 = byte[:, :, :, None]
-            d = tl.reshape(_quantize_elems(x, byte4, SOFT_CVT), (BM, BK))
-            tl.store(qr_ptr + plane + m64 * K + k, d, mask=in_bounds)
-            r = pid_m * BM + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
-            c = pid_k * NB + nb[None, None, :]  # [1, 1, NB]
-            _store_scales(sr_ptr + pid_b * sr_stride_b, r, c, byte, M, K // 32, (K // 32 + 3) // 4, ROW_BLOCKED)
-        if COL:
-            byte = _e8m0_from_amax_bits(tl.max(bits, axis=1), rceil)  # [MB, NB, 32]
-            byte4 = byte[:, None, :, :]
-            d = tl.reshape(_quantize_elems(x, byte4, SOFT_CVT), (BM, BK))
-            tl.store(qc_ptr + plane + k64 * M + m, d, mask=in_bounds)
-            r = pid_k * BK + nb[None, :, None] * 32 + jj[None, None, :]  # [1, NB, 32]
-            c = pid_m * MB + mb[:, None, None]  # [MB, 1, 1]
-            _store_scales(sc_ptr + pid_b * sc_stride_b, r, c, byte, K, M // 32, (M // 32 + 3) // 4, COL_BLOCKED)
+            amax_r = tl.maximum(amax_r, tile[:, None, :])
+        tile_byte = _e8m0_from_amax_bits(tile, rceil)
+        tile_r = tm * MB + mb[:, None]  # [MB, 1] block row
+        tile_c = tk * NB + nb[None, :]  # [1, NB] block column
+    if ROW:
+        byte = _e8m0_from_amax_bits(amax_r, rceil)  # [MB, 32, NB]
+        d = tl.reshape(_quantize_elems(x, byte[:, :, :, None], SOFT_CVT), (BM, BK))
+        tl.store(qr_ptr + plane + m64 * K + k, d, mask=in_bounds)
+        if TILE32 and ROW_LAYOUT == 2:  # compact: one value per tile, [K/32, ceil4(M/32)]
+            _store_scales(sr_ptr + b64 * sr_stride_b, tile_r, tile_c, tile_byte, M // 32, K // 32, 0, 2)
+        else:
+            r = tm * BM + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
+            c = tk * NB + nb[None, None, :]  # [1, 1, NB]
+            _store_scales(sr_ptr + b64 * sr_stride_b, r, c, byte, M, K // 32, (K // 32 + 3) // 4, ROW_LAYOUT)
+    if COL:
+        byte = _e8m0_from_amax_bits(amax_c, rceil)  # [MB, NB, 32]
+        d = tl.reshape(_quantize_elems(x, byte[:, None, :, :], SOFT_CVT), (BM, BK))
+        tl.store(qc_ptr + plane + k64 * M + m, d, mask=in_bounds)
+        if TILE32 and COL_LAYOUT == 2:  # compact: [M/32, ceil4(K/32)]
+            _store_scales(sc_ptr + b64 * sc_stride_b, tile_c, tile_r, tile_byte, K // 32, M // 32, 0, 2)
+        else:
+            r = tk * BK + nb[None, :, None] * 32 + jj[None, None, :]  # [1, NB, 32]
+            c = tm * MB + mb[:, None, None]  # [MB, 1, 1]
+            _store_scales(sc_ptr + b64 * sc_stride_b, r, c, byte, K, M // 32, (M // 32 + 3) // 4, COL_LAYOUT)
+
+
+@triton.jit(do_not_specialize=["rceil"])
+def mx_quantize_kernel(
+    x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
+    M, K, B, M_cover, K_cover,
+    stride_xb, stride_xm, stride_xk,
+    sr_stride_b, sc_stride_b,
+    rceil,
+    ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
+    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    """MXFP8 of x [B, M, K] (any strides), persistent: program p takes tiles p, p + P, ...
+
+    ROW: data qr[b] [M, K] + scales sr[b] [M, K/32] (1x32 blocks along K, or the 32x32 tile's).
+    COL: data qc[b] [K, M] (x transposed, M contiguous) + scales sc[b] [K, M/32] (blocks along M).
+    TILE32: one scale per 32x32 tile (ROW and COL data then hold the same bytes).
+    Tiles cover [M_cover, K_cover] (M, K rounded up to 128 when a blocked scale layout needs
+    its zero padding written). The next tile is loaded before the current one is processed, so
+    every program keeps a tile's loads in flight while it reduces, converts and stores.
+
+        K ->  nb=0     nb=1  ...          one tile:
+      M  +--------+--------+              [BM, BK] -> 4D [BM/32, 32, BK/32, 32]
+      |  | 32x32  | 32x32  |              row blocks: 1 x 32 (max over axis 3)
+      v  +--------+--------+              col blocks: 32 x 1 (max over axis 1)
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_m = tl.cdiv(M_cover, BM)
+    n_k = tl.cdiv(K_cover, BK)
+    total = n_m * n_k * B
+    x = _load_tile(x_ptr, pid, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
+    t = pid
+    while t < total:  # (a while loop: the interpreter cannot range over runtime bounds)
+        x_next = _load_tile(x_ptr, t + nprog, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
+        _quantize_tile(x, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
+                       ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BM, BK, SOFT_CVT)
+        x = x_next
+        t += nprog
+
+
+@triton.jit
+def _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M):
+    """Input rows behind padded scale row p: (first row, end row, p lies inside a group).
+
+    Groups whose padded span ends at or before p are exactly the groups before p's group g, so
+    one packed sum gives both g (low 32 bits) and g's first padded row (high bits * 128).
+    """
+    packed = tl.sum(tl.where(gmask & (pad_end <= p), (tiles.to(tl.int64) << 32) + 1, 0), 0)
+    g = (packed & 0xFFFFFFFF).to(tl.int32)
+    pad_start = (packed >> 32).to(tl.int32) * 128
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    in_group = g < n_groups
+    end = tl.load(offs_ptr + g, mask=in_group, other=M)
+    return start + (p - pad_start), end, in_group
+
+
+@triton.jit
+def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, n_groups, M, K, stride_xm, stride_xk,
+                     BM: tl.constexpr, BK: tl.constexpr):
+    tr = t % n_t
+    tk = t // n_t
+    row0, row_end, in_group = _group_rows(tr * BM, pad_end, tiles, gmask, offs_ptr, n_groups, M)
+    m = row0 + tl.arange(0, BM)[:, None]
+    k = tk * BK + tl.arange(0, BK)[None, :]
+    mask = (m < row_end) & (m < M) & (k < K) & (t < total)
+    return tl.load(x_ptr + m.to(tl.int64) * stride_xm + k.to(tl.int64) * stride_xk, mask=mask, other=0.0)
 
 
 @triton.jit(do_not_specialize=["rceil"])
 def mx_quantize_grouped_kernel(
     x_ptr, q_ptr, s_ptr, offs_ptr,
     M, K, stride_xm, stride_xk,
-    n_groups, padded_rows, rceil,
+    n_groups, n_row_tiles, padded_rows, rceil,
     EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
     """Rowwise MXFP8 of grouped rows x [M, K], scales straight into the per-group blocked layout.
 
     Group g holds rows [offs[g-1], offs[g]) and owns ceil(n_g/128)*128 rows of the blocked scale
-    tensor (layouts.to_blocked_grouped). Program (t, pid_k) handles the BM padded scale rows
-    starting at p = t*BM (BM divides 128): it finds the group whose padded span holds p from the
-    offsets alone (no host sync), quantizes the matching input rows, and writes zero scales for
-    the padding rows. Programs past the last group's padded rows quantize the tail rows
-    [offs[-1], M) (data only; their scale rows, up to padded_rows, are written as zeros).
-    Grid: (max(cdiv(M,128) + n_groups, padded_rows/128) * 128/BM, cdiv(ceil128(K), BK)).
+    tensor (layouts.to_blocked_grouped). Tile (tr, tk) covers the BM padded scale rows from
+    p = tr*BM (BM divides 128) and BK columns: it finds the group whose padded span holds p from
+    the offsets alone (no host sync), quantizes the matching input rows, and writes zero scales
+    for the padding rows. Tiles past the last group's padded rows quantize the tail rows
+    [offs[-1], M) (data only; their scale rows, up to padded_rows, are zeros).
+    n_row_tiles = max(cdiv(M,128) + n_groups, padded_rows/128) * 128/BM row tiles cover everything.
+    Persistent with a one-tile prefetch, like mx_quantize_kernel.
     """
-    t = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    p = t * BM
-    # -- which group owns padded rows [p, p + BM)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    # per-group padded spans, once per program
     g = tl.arange(0, EP)
     gmask = g < n_groups
     ends = tl.load(offs_ptr + g, mask=gmask, other=0)
     starts = tl.load(offs_ptr + g - 1, mask=gmask & (g > 0), other=0)
     tiles = tl.where(gmask, (ends - starts + 127) // 128, 0)
     pad_end = tl.cumsum(tiles, 0) * 128
-    pad_start = pad_end - tiles * 128
-    sel = gmask & (p >= pad_start) & (p < pad_end)
-    in_group = tl.sum(sel.to(tl.int32), 0) > 0
-    pad_total = tl.sum(tiles, 0) * 128
-    last_end = tl.max(tl.where(gmask, ends, 0), 0)
-    row0 = tl.where(in_group, tl.sum(tl.where(sel, starts + (p - pad_start), 0), 0), last_end + (p - pad_total))
-    row_end = tl.where(in_group, tl.sum(tl.where(sel, ends, 0), 0), M)
-    # -- the tile
+    n_k = tl.cdiv(tl.cdiv(K, 128) * 128, BK)
+    total = n_row_tiles * n_k
+    n_col_tiles = (K // 32 + 3) // 4
     MB: tl.constexpr = BM // 32
     NB: tl.constexpr = BK // 32
     mb = tl.arange(0, MB)
     ii = tl.arange(0, 32)
     nb = tl.arange(0, NB)
-    jj = tl.arange(0, 32)
-    local = mb[:, None, None, None] * 32 + ii[None, :, None, None]  # [MB, 32, 1, 1]
-    m = row0 + local
-    k = pid_k * BK + nb[None, None, :, None] * 32 + jj[None, None, None, :]
-    m64 = m.to(tl.int64)
-    in_bounds = (m < row_end) & (m < M) & (k < K)
-    x = tl.load(x_ptr + m64 * stride_xm + k.to(tl.int64) * stride_xk, mask=in_bounds, other=0.0)
-    x = _to_f32(x)
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    byte = _e8m0_from_amax_bits(tl.max(bits, axis=3), rceil)  # [MB, 32, NB]
-    byte4 = byte[:, :, :, None]
-    d = _quantize_elems(x, byte4, SOFT_CVT)
-    tl.store(q_ptr + m64 * K + k, d, mask=in_bounds)
-    # -- scales: padded rows p + local; rows outside any group (tail) get zeros
-    byte = tl.where(in_group, byte, 0)
-    r = p + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
-    c = pid_k * NB + nb[None, None, :]  # [1, 1, NB]
-    n_col_tiles = (K // 32 + 3) // 4
-    mask = (r < padded_rows) & (c < n_col_tiles * 4)
-    tl.store(s_ptr + _blocked_index(r.to(tl.int64), c, n_col_tiles), byte.to(tl.uint8), mask=mask)
+    x = _load_group_tile(x_ptr, pid, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups, M, K,
+                         stride_xm, stride_xk, BM, BK)
+    t = pid
+    while t < total:
+        x_next = _load_group_tile(x_ptr, t + nprog, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups,
+                                  M, K, stride_xm, stride_xk, BM, BK)
+        tr = t % n_row_tiles
+        tk = t // n_row_tiles
+        p = tr * BM
+        row0, row_end, in_group = _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M)
+        m = row0 + tl.arange(0, BM)[:, None]
+        k = tk * BK + tl.arange(0, BK)[None, :]
+        m64 = m.to(tl.int64)
+        in_bounds = (m < row_end) & (m < M) & (k < K)
+        xf = tl.reshape(_to_f32(x), (MB, 32, NB, 32))
+        bits = xf.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        byte = _e8m0_from_amax_bits(tl.max(bits, axis=3), rceil)  # [MB, 32, NB]
+        d = tl.reshape(_quantize_elems(xf, byte[:, :, :, None], SOFT_CVT), (BM, BK))
+        tl.store(q_ptr + m64 * K + k, d, mask=in_bounds)
+        # scales: padded rows p + local; rows outside any group (the tail) get zeros
+        byte = tl.where(in_group, byte, 0)
+        r = p + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
+        c = tk * NB + nb[None, None, :]  # [1, 1, NB]
+        smask = (r < padded_rows) & (c < n_col_tiles * 4)
+        tl.store(s_ptr + _blocked_index(r.to(tl.int64), c, n_col_tiles), byte.to(tl.uint8), mask=smask)
+        x = x_next
+        t += nprog
