@@ -18,6 +18,13 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _ops():
+    """The registered custom ops (:mod:`mxmoe.kernels.torch_ops`), registered on first use."""
+    from mxmoe.kernels import torch_ops
+
+    return torch_ops
+
+
 def _triton_ok() -> bool:
     try:
         import triton  # noqa: F401
@@ -46,16 +53,16 @@ def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block):
         return None
     from mxmoe.kernels import quantize as q
 
+    ops = _ops()
     if block == (1, BLOCK):
         if axis == nd - 1:
-            return q.rowwise_mxtensor(*q.quantize_rowwise(x, scale_rule), scale_rule)
-        return q.columnwise_mxtensor(*q.quantize_columnwise(x, scale_rule), scale_rule)
+            return q.rowwise_mxtensor(*ops.quantize_rowwise(x, scale_rule), scale_rule)
+        return q.columnwise_mxtensor(*ops.quantize_columnwise(x, scale_rule), scale_rule)
     if x.shape[-1] % BLOCK or x.shape[-2] % BLOCK:
         return None
+    data, scale, data_t, scale_t = ops.quantize_32x32(x, scale_rule)
     if axis == nd - 1:
-        data, scale = q.quantize_32x32(x, scale_rule, transposed=False)[:2]
         return q.rowwise_mxtensor(data, scale, scale_rule, (BLOCK, BLOCK))
-    data_t, scale_t = q.quantize_32x32(x, scale_rule)[2:]
     return q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK))
 
 
@@ -67,7 +74,7 @@ def quantize_dual_cuda(x: torch.Tensor, scale_rule: str):
         return None
     from mxmoe.kernels import quantize as q
 
-    data, scale, data_t, scale_t = q.quantize_dual(x, scale_rule)
+    data, scale, data_t, scale_t = _ops().quantize_dual(x, scale_rule)
     return q.rowwise_mxtensor(data, scale, scale_rule), q.columnwise_mxtensor(data_t, scale_t, scale_rule)
 
 
@@ -79,7 +86,7 @@ def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str):
         return None
     from mxmoe.kernels import quantize as q
 
-    data, scale, data_t, scale_t = q.quantize_32x32(w, scale_rule)
+    data, scale, data_t, scale_t = _ops().quantize_32x32(w, scale_rule)
     return (q.rowwise_mxtensor(data, scale, scale_rule, (BLOCK, BLOCK)),
             q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK)))
 
@@ -127,16 +134,14 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted
     backend = sm90_gemm_backend(wb)
     a_data, a_scale = _kmajor(a)
     b_data, b_scale = _kmajor(bt)
+    ops = _ops()
     if backend == "bf16":
-        from mxmoe.kernels.dequantize import dequantize_bf16
-
-        a16, b16 = dequantize_bf16(a_data, a_scale), dequantize_bf16(b_data, b_scale)
+        a16, b16 = ops.dequantize_bf16(a_data, a_scale), ops.dequantize_bf16(b_data, b_scale)
         try:
             return torch._grouped_mm(a16, b16.mT, offs, out_dtype=out_dtype)
         except RuntimeError:  # builds whose grouped BF16 GEMM only writes BF16
             return torch._grouped_mm(a16, b16.mT, offs).to(out_dtype)
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
-
+    dt = str(out_dtype).removeprefix("torch.")
     if b.dim() == 3:
-        return g.sm90_mxfp8_m_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, out_dtype, weight_block=wb)
-    return g.sm90_mxfp8_k_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, out_dtype, check_offsets=not trusted)
+        return ops.sm90_m_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, wb)
+    return ops.sm90_k_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, not trusted)

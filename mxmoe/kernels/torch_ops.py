@@ -1,0 +1,96 @@
+"""The CUDA kernels as ``torch.library`` custom ops (namespace ``mxmoe``), each with a fake
+(meta) implementation, so ``torch.compile`` traces them as single nodes and CUDA graphs capture
+them. The dispatch layer (:mod:`mxmoe.kernels.dispatch`) calls kernels only through these ops.
+
+Shapes (``...`` = optional leading batch dim, e.g. experts):
+
+==========================  =====================================================================
+``quantize_rowwise``        x ``[..., M, K]`` -> data ``[..., M, K]`` e4m3, scale ``[..., M, K/32]`` e8m0
+``quantize_columnwise``     x ``[..., M, K]`` -> data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``
+``quantize_dual``           both of the above, from one read
+``quantize_32x32``          (data, scale, data_t, scale_t), one scale per 32x32 tile
+``dequantize_bf16``         (data ``[..., R, C]``, scale ``[..., R, C/32]``) -> bf16 ``[..., R, C]``
+``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
+``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
+==========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _row(x):
+    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((*x.shape[:-1], x.shape[-1] // 32), dtype=E8M0)
+
+
+def _col(x):
+    lead, M, K = x.shape[:-2], x.shape[-2], x.shape[-1]
+    return x.new_empty((*lead, K, M), dtype=E4M3), x.new_empty((*lead, K, M // 32), dtype=E8M0)
+
+
+@torch.library.custom_op("mxmoe::quantize_rowwise", mutates_args=())
+def quantize_rowwise(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return q.quantize_rowwise(x, scale_rule)
+
+
+@torch.library.custom_op("mxmoe::quantize_columnwise", mutates_args=())
+def quantize_columnwise(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return q.quantize_columnwise(x, scale_rule)
+
+
+@torch.library.custom_op("mxmoe::quantize_dual", mutates_args=())
+def quantize_dual(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.quantize_dual(x, scale_rule))
+
+
+@torch.library.custom_op("mxmoe::quantize_32x32", mutates_args=())
+def quantize_32x32(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.quantize_32x32(x, scale_rule))
+
+
+@torch.library.custom_op("mxmoe::dequantize_bf16", mutates_args=())
+def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from mxmoe.kernels.dequantize import dequantize_bf16 as deq
+
+    return deq(data, scale)
+
+
+@torch.library.custom_op("mxmoe::sm90_m_grouped_gemm", mutates_args=())
+def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                        offs: torch.Tensor, out_dtype: str, weight_block: int) -> torch.Tensor:
+    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+
+    return g.sm90_mxfp8_m_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], weight_block=weight_block)
+
+
+@torch.library.custom_op("mxmoe::sm90_k_grouped_gemm", mutates_args=())
+def sm90_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                        offs: torch.Tensor, out_dtype: str, check_offsets: bool) -> torch.Tensor:
+    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+
+    return g.sm90_mxfp8_k_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], check_offsets=check_offsets)
+
+
+quantize_rowwise.register_fake(lambda x, scale_rule: _row(x))
+quantize_columnwise.register_fake(lambda x, scale_rule: _col(x))
+quantize_dual.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
+quantize_32x32.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
+dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dtype=torch.bfloat16))
+sm90_m_grouped_gemm.register_fake(
+    lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
+    a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))
+sm90_k_grouped_gemm.register_fake(
+    lambda a, a_scale, b, b_scale, offs, out_dtype, check_offsets:
+    a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=_DTYPES[out_dtype]))

@@ -1,0 +1,30 @@
+"""Fake (meta) implementations of the custom ops: shapes and dtypes without running a kernel."""
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mxmoe.kernels import torch_ops  # noqa: F401  (registers torch.ops.mxmoe.*)
+
+E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+
+
+def test_fake_shapes():
+    ops = torch.ops.mxmoe
+    with FakeTensorMode():
+        x = torch.empty(8, 64, 96, device="cuda", dtype=torch.bfloat16)
+        d, s = ops.quantize_rowwise(x, "rceil")
+        assert (d.shape, d.dtype, s.shape, s.dtype) == ((8, 64, 96), E4M3, (8, 64, 3), E8M0)
+        dt, st = ops.quantize_columnwise(x, "rceil")
+        assert (dt.shape, st.shape) == ((8, 96, 64), (8, 96, 2))
+        x2 = torch.empty(64, 96, device="cuda", dtype=torch.float32)
+        assert [t.shape for t in ops.quantize_dual(x2, "floor")] == [(64, 96), (64, 3), (96, 64), (96, 2)]
+        assert [t.shape for t in ops.quantize_32x32(x, "rceil")] == [(8, 64, 96), (8, 64, 3), (8, 96, 64), (8, 96, 2)]
+        assert ops.dequantize_bf16(d, s).dtype == torch.bfloat16
+        offs = torch.empty(8, device="cuda", dtype=torch.int32)
+        a, sa = torch.empty(500, 96, device="cuda", dtype=E4M3), torch.empty(500, 3, device="cuda", dtype=E8M0)
+        y = ops.sm90_m_grouped_gemm(a, sa, d, s, offs, "bfloat16", 1)
+        assert (y.shape, y.dtype) == ((500, 64), torch.bfloat16)
+        dy_t, sdy = ops.quantize_columnwise(torch.empty(512, 96, device="cuda"), "rceil")  # [96, 512]
+        x_t, sx = ops.quantize_columnwise(torch.empty(512, 40, device="cuda"), "rceil")  # [40, 512]
+        w = ops.sm90_k_grouped_gemm(dy_t, sdy, x_t, sx, offs, "float32", False)
+        assert (w.shape, w.dtype) == ((8, 96, 40), torch.float32)
