@@ -73,7 +73,9 @@ def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg
-    return 32, 256, 4, True
+    if col:  # one warp: the 32-row reductions stay inside the warp (no barriers), 10 CTAs/SM
+        return 32, 128, 1, True
+    return 32, 512, 8, True
 
 
 # Filled from benchmark sweeps on an H200 (benchmarks/bench_quantize.py --sweep); keys:
@@ -169,7 +171,8 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
                 M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
                 sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
         kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout,
-                      BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+                      BM=BM, BK=BK, GROUP_M=max(1, 512 // BM) if col else 1,
+                      SOFT_CVT=_interpreting(), num_warps=num_warps)
         kernel = _kernels().mx_quantize_kernel
         grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if persistent else total,)
         kernel[grid](*args, **kwargs)
