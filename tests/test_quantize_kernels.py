@@ -428,6 +428,36 @@ def test_gpu_real_shapes(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("key", ["row", "col", "colrow", "colrow32", "grouped"])
+def test_gpu_candidate_configs(key, monkeypatch):
+    """The tile configs the H200 sweep found faster (quantize.CANDIDATE_CONFIGS), bit-exact."""
+    from mxmoe.kernels import quantize as Q
+
+    monkeypatch.setitem(Q._TUNED, key, Q.CANDIDATE_CONFIGS[key])
+    gen = torch.Generator().manual_seed(11)
+    x = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), -1).cuda()
+    w = wide_randn((4, 1536, 2048), torch.bfloat16, "cpu", gen).cuda()
+    for rule in RULES:
+        _poison_cuda_cache()
+        if key == "row":
+            check_rowwise(Q, x, rule, "row_major", "act")
+            check_rowwise(Q, w, rule, "blocked", "weights")
+        elif key == "col":
+            check_columnwise(Q, x, rule, "row_major", "act")
+            check_columnwise(Q, w, rule, "sm90", "weights")
+        elif key == "colrow":
+            check_dual(Q, x, rule, "blocked", "act")
+            check_dual(Q, w, rule, "row_major", "weights")
+        elif key == "colrow32":
+            check_32x32(Q, w, rule, "row_major", "weights")
+            check_32x32(Q, w, rule, "sm90", "weights")
+        else:
+            check_grouped(Q, x, [0, 300, 300, 1500, 2000], rule, "act 5 groups")
+    CASES["noncontiguous"](Q, "cuda", gen)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_past_2_31_elements():
     """x [65600, 32768] bf16 (2.15e9 elements): indices past 2^31 in input and outputs."""
     from mxmoe.kernels import quantize as Q

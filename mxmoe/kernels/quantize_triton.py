@@ -129,28 +129,19 @@ def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, n_col_tiles, LAYOUT: tl.con
 
 
 @triton.jit
-def _tile_coords(t, n_m, n_k, GROUP_M: tl.constexpr):
-    """Tile index -> (batch, m-tile, k-tile), ordered in bands of GROUP_M m-tiles: inside a band
-    m is fastest, then k (the GEMM "supergrouping" order). GROUP_M = 1 is plain k-fastest order:
-    programs running together read and write long contiguous row segments (rowwise kernels).
-    Transposed outputs use GROUP_M * BM = 512: neighbouring programs then fill 512-byte runs of
-    each output row, while the input they read together stays a compact block of rows.
-    """
-    per_b = n_m * n_k
-    b = t // per_b
-    t = t % per_b
-    band = t // (GROUP_M * n_k)
-    first_m = band * GROUP_M
-    gm = tl.minimum(n_m - first_m, GROUP_M)
-    r = t % (GROUP_M * n_k)
-    return b, first_m + r % gm, r // gm
+def _tile_coords(t, n_m, n_k):
+    """Tile index -> (batch, m-tile, k-tile), m fastest: programs running at the same time take
+    neighbouring tiles along M, so the transposed outputs they write fill whole L2 lines."""
+    tm = t % n_m
+    rest = t // n_m
+    return rest // n_k, tm, rest % n_k
 
 
 @triton.jit
 def _load_tile(x_ptr, t, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk,
-               BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+               BM: tl.constexpr, BK: tl.constexpr):
     """The [BM, BK] input tile number t (zeros past the edges and for t >= total)."""
-    b, tm, tk = _tile_coords(t, n_m, n_k, GROUP_M)
+    b, tm, tk = _tile_coords(t, n_m, n_k)
     m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
     k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
     mask = (m < M) & (k < K) & (t < total)
@@ -163,10 +154,10 @@ def _quantize_tile(
     x_raw, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
     ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SOFT_CVT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
     """Quantize and store one loaded tile (see mx_quantize_kernel)."""
-    b, tm, tk = _tile_coords(t, n_m, n_k, GROUP_M)
+    b, tm, tk = _tile_coords(t, n_m, n_k)
     b64 = b.to(tl.int64)
     MB: tl.constexpr = BM // 32
     NB: tl.constexpr = BK // 32
@@ -226,7 +217,7 @@ def mx_quantize_kernel(
     rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
     ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SOFT_CVT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
     """MXFP8 of x [B, M, K] (any strides), persistent: program p takes tiles p, p + P, ...
 
@@ -247,12 +238,12 @@ def mx_quantize_kernel(
     n_m = tl.cdiv(M_cover, BM)
     n_k = tl.cdiv(K_cover, BK)
     total = n_m * n_k * B
-    x = _load_tile(x_ptr, pid, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK, GROUP_M)
+    x = _load_tile(x_ptr, pid, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
     t = pid
     while t < total:  # (a while loop: the interpreter cannot range over runtime bounds)
-        x_next = _load_tile(x_ptr, t + nprog, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK, GROUP_M)
+        x_next = _load_tile(x_ptr, t + nprog, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
         _quantize_tile(x, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
-                       ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BM, BK, GROUP_M, SOFT_CVT)
+                       ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BM, BK, SOFT_CVT)
         x = x_next
         t += nprog
 
@@ -274,10 +265,10 @@ def _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M):
 
 
 @triton.jit
-def _load_group_tile(x_ptr, t, total, n_k, pad_end, tiles, gmask, offs_ptr, n_groups, M, K, stride_xm, stride_xk,
+def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, n_groups, M, K, stride_xm, stride_xk,
                      BM: tl.constexpr, BK: tl.constexpr):
-    tr = t // n_k
-    tk = t % n_k
+    tr = t % n_t
+    tk = t // n_t
     row0, row_end, in_group = _group_rows(tr * BM, pad_end, tiles, gmask, offs_ptr, n_groups, M)
     m = row0 + tl.arange(0, BM)[:, None]
     k = tk * BK + tl.arange(0, BK)[None, :]
@@ -320,14 +311,14 @@ def mx_quantize_grouped_kernel(
     mb = tl.arange(0, MB)
     ii = tl.arange(0, 32)
     nb = tl.arange(0, NB)
-    x = _load_group_tile(x_ptr, pid, total, n_k, pad_end, tiles, gmask, offs_ptr, n_groups, M, K,
+    x = _load_group_tile(x_ptr, pid, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups, M, K,
                          stride_xm, stride_xk, BM, BK)
     t = pid
     while t < total:
-        x_next = _load_group_tile(x_ptr, t + nprog, total, n_k, pad_end, tiles, gmask, offs_ptr, n_groups,
+        x_next = _load_group_tile(x_ptr, t + nprog, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups,
                                   M, K, stride_xm, stride_xk, BM, BK)
-        tr = t // n_k  # k fastest: programs running together cover whole rows
-        tk = t % n_k
+        tr = t % n_row_tiles
+        tk = t // n_row_tiles
         p = tr * BM
         row0, row_end, in_group = _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M)
         m = row0 + tl.arange(0, BM)[:, None]
