@@ -272,6 +272,22 @@ def _case_wide_k_scale_cols(Q, dev, gen):
     check_grouped(Q, x, [0, 13, 40], "rceil", "K=1408")
 
 
+def _case_quantize_mx(Q, dev, gen):
+    """quantize_mx: the formats.quantize contract (up to .contiguous()) for every covered case."""
+    x = with_special_blocks(wide_randn((2, 64, 96), torch.bfloat16, "cpu", gen), -1).to(dev)
+    for axis in (-1, -2, 2, 1):
+        for block in (32, (32, 32)):
+            for rule in RULES:
+                got = Q.quantize_mx(x, axis, rule, block)
+                want = quantize(x.cpu(), axis, rule, block)
+                tag = f"quantize_mx axis={axis} block={block} {rule}"
+                assert got is not None and got.axis == want.axis and got.block == want.block, tag
+                same_bytes(got.data.contiguous(), want.data, tag + " data")
+                same_bytes(got.scale.contiguous(), want.scale, tag + " scale")
+    assert Q.quantize_mx(x, 0) is None  # the batch axis: not a kernel case
+    assert Q.quantize_mx(x.to(torch.float64), -1) is None
+
+
 CASES = {
     "rowwise": _case_rowwise,
     "columnwise": _case_columnwise,
@@ -281,6 +297,7 @@ CASES = {
     "grouped": _case_grouped,
     "noncontiguous": _case_noncontiguous,
     "wide_k_scale_cols": _case_wide_k_scale_cols,
+    "quantize_mx": _case_quantize_mx,
 }
 
 

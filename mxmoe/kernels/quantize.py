@@ -15,9 +15,15 @@ e.g. expert weights ``[E, N, K]``; any strides, fastest when the last dim is con
                             written straight into the per-group 128-row-aligned blocked layout
 ==========================  ===============================================================
 
-Scale layouts (``scale_layout``): ``"row_major"`` (the reference's ``[rows, cols]``) or
-``"blocked"`` (cuBLAS 128x4 layout of :mod:`mxmoe.layouts`, zero padding included; flat ``[n]``
-for 2D inputs, ``[B, n]`` for batched ones, i.e. one blocked matrix per expert).
+Scale layouts (``scale_layout``), for a row-major scale matrix ``[rows, cols]`` of the output data:
+
+* ``"row_major"``: that matrix, ``float8_e8m0fnu`` (the reference's layout);
+* ``"blocked"``: cuBLAS 128x4 layout of :mod:`mxmoe.layouts`, zero padding included; flat ``[n]``
+  for 2D inputs, ``[B, n]`` for batched ones (one blocked matrix per expert);
+* ``"sm90"``: what the Hopper grouped GEMM reads (``sm90_mxfp8_grouped_gemm.sm90_scale_layout``):
+  FP32 values ``2^(b-127)`` (byte 0 -> 2^-127, 0xFF -> NaN), transposed to ``[.., cols,
+  ceil4(rows)]``, zero padded; for :func:`quantize_32x32` one value per tile,
+  ``[.., K/32, ceil4(N/32)]`` (and ``[.., N/32, ceil4(K/32)]`` for the transposed copy).
 
 Exactness: data and scales equal :func:`mxmoe.formats.quantize` byte for byte (both scale rules,
 zero / subnormal / NaN / Inf blocks); the tests check it under ``TRITON_INTERPRET=1`` on CPU and
@@ -244,7 +250,8 @@ def quantize_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
             ``K % 32 == 0``; any strides.
         scale_rule: ``"rceil"`` (default) or ``"floor"``.
         scale_layout: ``"row_major"`` -> scales ``[.., M, K/32]``; ``"blocked"`` -> flat 128x4
-            blocked scales ``[.., blocked_numel(M, K/32)]`` (per batch entry), zero padded.
+            blocked scales ``[.., blocked_numel(M, K/32)]`` (per batch entry), zero padded;
+            ``"sm90"`` -> FP32 ``[.., K/32, ceil4(M)]`` (see the module docstring).
     Returns:
         ``(data, scale)``: ``float8_e4m3fn`` ``[.., M, K]`` contiguous, ``float8_e8m0fnu`` scales;
         equal to ``formats.quantize(x, axis=-1)`` (and ``layouts.to_blocked`` of its scales).
@@ -354,6 +361,39 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
 # ----------------------------------------------------------------------------------------------
 # MXTensor views
 # ----------------------------------------------------------------------------------------------
+
+def quantize_mx(x: torch.Tensor, axis: int = -1, scale_rule: ScaleRule | str = "rceil",
+                block: tuple[int, int] | int = BLOCK) -> MXTensor | None:
+    """Kernel twin of :func:`mxmoe.formats.quantize` for the cases the kernels cover, else None.
+
+    Covered: CUDA bfloat16/float16/float32 tensors of 2 or 3 dims quantized along one of the last
+    two dims, 1x32 or 32x32 blocks. Data and scales equal the reference's bit for bit; for the
+    second-to-last axis the data is a transposed view of K-major storage (``.contiguous()`` gives
+    the reference's layout; ``.mT`` of the result is contiguous, what dgrad/wgrad read).
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES or x.dim() not in (2, 3):
+        return None
+    if not (x.is_cuda or _interpreting()):
+        return None
+    rule = ScaleRule(scale_rule).value
+    block = (1, block) if isinstance(block, int) else tuple(block)
+    nd = x.dim()
+    axis = axis % nd
+    M, K = x.shape[-2], x.shape[-1]
+    if block == (1, BLOCK):
+        if axis == nd - 1 and K % BLOCK == 0:
+            return rowwise_mxtensor(*quantize_rowwise(x, rule), rule)
+        if axis == nd - 2 and M % BLOCK == 0:
+            return columnwise_mxtensor(*quantize_columnwise(x, rule), rule)
+    elif block == (BLOCK, BLOCK) and M % BLOCK == 0 and K % BLOCK == 0:
+        if axis == nd - 1:
+            data, scale = quantize_32x32(x, rule, transposed=False)
+            return rowwise_mxtensor(data, scale, rule, block)
+        if axis == nd - 2:
+            _, _, data_t, scale_t = quantize_32x32(x, rule)
+            return columnwise_mxtensor(data_t, scale_t, rule, block)
+    return None
+
 
 def rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, scale_rule: str = "rceil",
                      block: tuple[int, int] = (1, BLOCK)) -> MXTensor:
