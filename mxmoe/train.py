@@ -1,0 +1,368 @@
+"""Train a small byte-level MoE language model on the Python standard library: bf16 vs mxfp8.
+
+Every recipe starts from the same initial weights and sees the same batches in the same order,
+so the difference between their loss curves is the cost of the MXFP8 expert matrix products.
+The data is this machine's own standard library (``sysconfig.get_paths()["stdlib"]``, all
+``.py`` files, site-packages excluded); every 20th file, in sorted order, is held out for
+validation. Nothing is downloaded. Launch:
+
+    mxmoe train                                    # default preset: a few minutes on a CPU
+    mxmoe train --preset tiny --out /tmp/tiny      # seconds; what the tests run
+    mxmoe train --preset gpu --device cuda         # ~110M parameters, bf16 autocast
+    python -m mxmoe train --steps 500 --lr 2e-3 --recipes bf16,mxfp8
+
+Writes into ``--out``: ``metrics.json`` (config, environment, per-recipe losses and speed),
+``loss.png`` (train and val curves) and ``model_<recipe>.safetensors``.
+"""
+
+import dataclasses
+import json
+import math
+import platform
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from mxmoe.moe import MoE
+
+VOCAB = 256  # byte-level: one token per byte
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one ``mxmoe train`` run; a preset fills them, flags override."""
+
+    # I/O and run
+    out: str = "out"  # output folder: metrics.json, loss.png, model_<recipe>.safetensors
+    device: str = ""  # "cuda" or "cpu"; empty = cuda if available, else cpu
+    recipes: str = "bf16,mxfp8"  # comma-separated MoE recipes, trained one after the other
+    seed: int = 0  # one seed -> one init and one batch order, shared by every recipe
+    # data
+    val_every_file: int = 20  # every N-th stdlib file (sorted) goes to the validation split
+    seq_len: int = 128  # tokens (bytes) per training window = context length
+    batch_size: int = 16  # windows per optimizer step
+    # model
+    dim: int = 128  # residual stream width (multiple of 32: experts quantize along it)
+    layers: int = 2  # transformer blocks, each attention + MoE
+    heads: int = 4  # attention heads (dim % heads == 0)
+    experts: int = 8  # experts per MoE layer
+    top_k: int = 2  # experts each token is routed to
+    ffn_dim: int = 256  # hidden width of one expert (multiple of 32)
+    aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss
+    # optimization
+    steps: int = 300  # optimizer steps per recipe
+    lr: float = 3e-3  # peak AdamW learning rate
+    min_lr_frac: float = 0.1  # cosine decay ends at lr * min_lr_frac
+    warmup: int = 30  # linear warmup steps
+    weight_decay: float = 0.1  # AdamW decay on matrices and embeddings (not norms)
+    grad_clip: float = 1.0  # clip the global gradient norm to this
+    # evaluation
+    eval_every: int = 50  # steps between validation passes (also at step 0 and at the end)
+    eval_batches: int = 8  # batches per validation pass (the same batches every time)
+
+    def __post_init__(self):
+        if self.dim % self.heads:
+            raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
+        if self.dim % 32 or self.ffn_dim % 32:
+            raise ValueError(f"dim {self.dim} and ffn_dim {self.ffn_dim} must be multiples of 32 (MXFP8 blocks)")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, experts={self.experts}]")
+        if min(self.steps, self.eval_every, self.eval_batches) < 1:
+            raise ValueError("steps, eval_every and eval_batches must be >= 1")
+
+
+PRESETS = {
+    "tiny": dict(dim=64, layers=2, heads=2, experts=4, top_k=2, ffn_dim=64, seq_len=64, batch_size=8,
+                 steps=40, warmup=5, eval_every=20, eval_batches=2),
+    "default": {},
+    # ~110M parameters (SwiGLU experts: 3 * dim * ffn_dim each), ~22M active per token
+    "gpu": dict(dim=512, layers=8, heads=8, experts=16, top_k=2, ffn_dim=512, seq_len=512, batch_size=32,
+                steps=2000, lr=1e-3, warmup=100, eval_every=200, eval_batches=20),
+}
+
+
+def make_config(preset: str = "default", **overrides) -> TrainConfig:
+    """A ``TrainConfig`` from a named preset (``tiny``, ``default``, ``gpu``) plus field overrides."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    return TrainConfig(**{**PRESETS[preset], **overrides})
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_stdlib(val_every_file: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes of the standard library's ``.py`` files as (train, val) uint8 tensors.
+
+    Files are sorted by path; file ``i`` is validation when ``i % val_every_file == 0``.
+    Files of a split are joined with ``b"\\n\\n"``.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if p.relative_to(root).parts[0] != "site-packages")
+    splits: tuple[list[bytes], list[bytes]] = ([], [])
+    for i, path in enumerate(files):
+        splits[i % val_every_file == 0].append(path.read_bytes())
+    train, val = (torch.frombuffer(bytearray(b"\n\n".join(s)), dtype=torch.uint8) for s in splits)
+    return train, val
+
+
+def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of ``data``: inputs and next-byte targets, both int64 ``[B, T]`` on ``device``."""
+    start = torch.randint(len(data) - seq_len - 1, (batch_size, 1), generator=gen)  # [B, 1]
+    window = data[start + torch.arange(seq_len + 1)].long()  # [B, T+1]
+    return window[:, :-1].to(device), window[:, 1:].to(device)
+
+
+# ----------------------------------------------------------------------------- model
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention (``F.scaled_dot_product_attention``)."""
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.heads, D // self.heads)  # [B, T, 3, H, D/H]
+        q, k, v = qkv.transpose(1, 3).unbind(2)  # each [B, H, T, D/H]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
+        return self.proj(y.transpose(1, 2).reshape(B, T, D))  # [B, T, D]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + moe(norm(x))."""
+
+    def __init__(self, cfg: TrainConfig, recipe: str):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.RMSNorm(cfg.dim)
+        self.moe = MoE(cfg.dim, cfg.ffn_dim, cfg.experts, cfg.top_k, recipe=recipe,
+                       aux_loss_coef=cfg.aux_loss_coef)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+class MoELM(nn.Module):
+    """Byte-level decoder-only MoE LM: token + learned position embedding, blocks, norm, LM head."""
+
+    def __init__(self, cfg: TrainConfig, recipe: str):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, cfg.dim)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.dim)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(cfg, recipe) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx, targets: int64 ``[B, T]``. Returns (cross-entropy, MoE aux loss summed over layers)."""
+        T = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))  # [B, T, D]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x)).float()  # [B, T, V]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        aux = sum(block.moe.aux_loss for block in self.blocks)
+        return ce, aux
+
+
+def count_params(model: MoELM, cfg: TrainConfig) -> dict:
+    """Total parameters, those inside the MoE layers, and those active per token (top_k of experts)."""
+    total = sum(p.numel() for p in model.parameters())
+    moe = sum(p.numel() for b in model.blocks for p in b.moe.parameters())
+    experts = sum(p.numel() for b in model.blocks for p in (b.moe.w13, b.moe.w2))  # [E, 2F, D], [E, D, F]
+    active = total - experts + experts * cfg.top_k // cfg.experts
+    return {"total": total, "moe": moe, "experts": experts, "active_per_token": active}
+
+
+# ----------------------------------------------------------------------------- training
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.min_lr_frac`` at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean validation cross-entropy over ``cfg.eval_batches`` batches (the same ones every call)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    losses = []
+    for _ in range(cfg.eval_batches):
+        with _autocast(device):
+            losses.append(model(*get_batch(data, cfg.batch_size, cfg.seq_len, gen, device))[0])
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: torch.Tensor,
+                 val_data: torch.Tensor, device: torch.device) -> tuple[MoELM, dict]:
+    """Train one recipe from ``init_state`` on the seeded batch order; return (model, metrics).
+
+    Metrics: ``train_loss`` / ``aux_loss`` (one per step), ``final_train_loss`` (mean of the last
+    10), ``val_step`` and ``val_loss`` (parallel lists; val at step s is measured after s
+    updates), ``tokens_per_s`` and ``ms_per_step``
+    (training steps only, first steps excluded as warm-up), ``peak_mem_gib`` (CUDA, else None),
+    ``wall_s`` (everything, evaluation included).
+    """
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model = MoELM(cfg, recipe)
+    model.load_state_dict(init_state)
+    model.to(device).train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(cfg.seed)  # same batch order for every recipe
+    ce_hist, aux_hist, step_s = [], [], []
+    m = {"train_loss": [], "aux_loss": [], "val_step": [], "val_loss": []}
+    postfix = {}
+    bar = tqdm(total=cfg.steps, desc=f"{recipe:>8}", dynamic_ncols=True)
+    for step in range(cfg.steps + 1):
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            m["val_step"].append(step)
+            m["val_loss"].append(evaluate(model, val_data, cfg, device))
+            postfix["val"] = f"{m['val_loss'][-1]:.3f}"
+            bar.set_postfix(postfix, refresh=False)
+        if step == cfg.steps:
+            break
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
+        with _autocast(device):
+            ce, aux = model(x, y)
+        (ce + aux).backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ce_hist.append(ce.detach())
+        aux_hist.append(aux.detach())
+        _sync(device)
+        step_s.append(time.perf_counter() - t0)
+        bar.update()
+        if step % 10 == 0:
+            postfix["loss"] = f"{ce.item():.3f}"
+            bar.set_postfix(postfix)
+    bar.close()
+    m["train_loss"] = torch.stack(ce_hist).tolist()
+    m["aux_loss"] = torch.stack(aux_hist).float().tolist()
+    m["final_train_loss"] = final_train_loss(m)
+    timed = step_s[min(10, cfg.steps // 5):]  # skip warm-up steps (allocator, kernel compilation)
+    m["ms_per_step"] = 1e3 * sum(timed) / len(timed)
+    m["tokens_per_s"] = cfg.batch_size * cfg.seq_len * len(timed) / sum(timed)
+    m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    m["wall_s"] = time.perf_counter() - t_start
+    return model, m
+
+
+def final_train_loss(m: dict, last: int = 10) -> float:
+    """Mean train loss of the last ``last`` steps (one batch alone is noisy)."""
+    tail = m["train_loss"][-last:]
+    return sum(tail) / len(tail)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def plot_losses(metrics: dict, path: Path) -> None:
+    """Train (thin) and val (markers) loss curves of every recipe, saved as a PNG (Agg backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, (recipe, m) in enumerate(metrics["recipes"].items()):
+        steps = range(1, len(m["train_loss"]) + 1)
+        ax.plot(steps, m["train_loss"], color=f"C{i}", lw=0.8, alpha=0.4, label=f"{recipe} train")
+        ax.plot(m["val_step"], m["val_loss"], color=f"C{i}", lw=1.8, marker="o", ms=4, label=f"{recipe} val")
+    cfg = metrics["config"]
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)",
+           title=f"MoE LM on stdlib bytes: {cfg['layers']}L d{cfg['dim']} {cfg['experts']}E top-{cfg['top_k']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def summarize(metrics: dict) -> str:
+    """A small table (recipe, final train loss (mean of the last 10 steps), final val loss,
+    tokens/s, wall s) and each recipe's relative final val-loss gap to bf16 in %."""
+    rows = [f"{'recipe':<10}{'train loss':>12}{'val loss':>10}{'tokens/s':>11}{'wall s':>8}"]
+    for recipe, m in metrics["recipes"].items():
+        rows.append(f"{recipe:<10}{m['final_train_loss']:>12.4f}{m['val_loss'][-1]:>10.4f}"
+                    f"{m['tokens_per_s']:>11,.0f}{m['wall_s']:>8.1f}")
+    for recipe, gap in metrics.get("val_gap_vs_bf16_pct", {}).items():
+        rows.append(f"{recipe} vs bf16 final val loss: {gap:+.2f}%")
+    return "\n".join(rows)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Train every recipe of ``cfg.recipes`` from one init on one batch order; write the outputs.
+
+    Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
+    """
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    recipes = list(dict.fromkeys(r.strip() for r in cfg.recipes.split(",") if r.strip()))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_data, val_data = load_stdlib(cfg.val_every_file)
+    torch.manual_seed(cfg.seed)
+    init_model = MoELM(cfg, recipes[0])
+    init_state = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
+    params = count_params(init_model, cfg)
+    del init_model
+    print(f"data: {len(train_data) / 1e6:.1f}M train / {len(val_data) / 1e6:.1f}M val bytes of stdlib .py | "
+          f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "
+          f"per token | device: {device} | recipes: {', '.join(recipes)}")
+    env = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "python": platform.python_version(),
+           "platform": platform.platform(), "threads": torch.get_num_threads(),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    metrics = {"config": dataclasses.asdict(cfg), "env": env, "params": params,
+               "data_bytes": {"train": len(train_data), "val": len(val_data)}, "recipes": {}}
+    for recipe in recipes:
+        model, metrics["recipes"][recipe] = train_recipe(cfg, recipe, init_state, train_data, val_data, device)
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, out / f"model_{recipe}.safetensors",
+                  metadata={"recipe": recipe, "config": json.dumps(dataclasses.asdict(cfg))})
+        del model
+    if "bf16" in metrics["recipes"]:
+        ref = metrics["recipes"]["bf16"]["val_loss"][-1]
+        metrics["val_gap_vs_bf16_pct"] = {r: 100 * (m["val_loss"][-1] - ref) / ref
+                                          for r, m in metrics["recipes"].items() if r != "bf16"}
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    plot_losses(metrics, out / "loss.png")
+    print(summarize(metrics))
+    print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'}, "
+          + ", ".join(str(out / f"model_{r}.safetensors") for r in recipes))
+    return metrics

@@ -1,0 +1,84 @@
+"""The main job, ``mxmoe train``, end to end on the ``tiny`` preset (seconds on a CPU)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from mxmoe.cli import main
+from mxmoe.train import MoELM, load_stdlib, make_config
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    assert main(["train", "--preset", "tiny", "--steps", str(STEPS), "--eval-every", "20",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    return out
+
+
+def test_metrics(run_dir):
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["config"]["steps"] == STEPS and metrics["env"]["torch"] == torch.__version__
+    assert set(metrics["recipes"]) == {"bf16", "mxfp8"}
+    for m in metrics["recipes"].values():
+        assert len(m["train_loss"]) == STEPS and len(m["aux_loss"]) == STEPS
+        assert m["val_step"] == [0, 20, 40] and len(m["val_loss"]) == 3
+        assert all(math.isfinite(x) for x in m["train_loss"] + m["val_loss"] + m["aux_loss"])
+        assert m["tokens_per_s"] > 0 and m["wall_s"] > 0 and m["peak_mem_gib"] is None
+    bf16, mx = metrics["recipes"]["bf16"], metrics["recipes"]["mxfp8"]
+    # same init and same batches: the step-0 losses differ only by MXFP8 rounding
+    assert bf16["val_loss"][0] == pytest.approx(mx["val_loss"][0], rel=0.01)
+    assert bf16["train_loss"][0] == pytest.approx(mx["train_loss"][0], rel=0.01)
+    # untrained bytes: ~ln(256) = 5.55 nats; a short run must make clear progress
+    assert bf16["val_loss"][0] > 5.0
+    for m in (bf16, mx):
+        assert m["val_loss"][-1] < m["val_loss"][0] - 1.5
+        assert sum(m["train_loss"][-10:]) / 10 < sum(m["train_loss"][:10]) / 10 - 1.0
+    assert "mxfp8" in metrics["val_gap_vs_bf16_pct"]
+
+
+def test_plot_and_checkpoints(run_dir):
+    from safetensors.torch import load_file
+
+    png = (run_dir / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    cfg = make_config("tiny")
+    expected = set(MoELM(cfg, "bf16").state_dict())
+    for recipe in ("bf16", "mxfp8"):
+        state = load_file(run_dir / f"model_{recipe}.safetensors")
+        assert set(state) == expected
+        assert state["tok.weight"].shape == (256, cfg.dim)
+        model = MoELM(cfg, recipe)
+        model.load_state_dict(state)  # the checkpoint restores a model
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_data_split_is_deterministic():
+    train, val = load_stdlib(20)
+    train2, val2 = load_stdlib(20)
+    assert train.dtype == torch.uint8 and len(train) > 10 * len(val) > 0
+    assert torch.equal(val, val2) and torch.equal(train[:4096], train2[:4096])
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--steps", "--out", "--device", "--dim", "--layers", "--heads", "--experts", "--top-k",
+                 "--ffn-dim", "--seq-len", "--batch-size", "--lr", "--seed", "--recipes", "--eval-every",
+                 "--eval-batches", "--preset"):
+        assert flag in help_text
+
+
+def test_config_checks():
+    with pytest.raises(ValueError):
+        make_config("tiny", ffn_dim=48)
+    with pytest.raises(ValueError):
+        make_config("tiny", steps=0)
+    with pytest.raises(ValueError):
+        make_config("nope")
