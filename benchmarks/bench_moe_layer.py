@@ -101,7 +101,8 @@ def run_case(name, recipe, skew, tokens, iters, dev):
     E, D, Fd, k = SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16)
-    moe = mxmoe.MoE(D, Fd, E, k, recipe="bf16" if recipe == "loop" else recipe).to(dev)
+    with torch.device(dev):  # initialize on the GPU: multi-GB expert weights
+        moe = mxmoe.MoE(D, Fd, E, k, recipe="bf16" if recipe == "loop" else recipe)
     skew_router(moe, x, skew)
     layer = LoopMoE(moe) if recipe == "loop" else moe
     xg = x.clone().requires_grad_()
@@ -140,6 +141,14 @@ def main():
     args = ap.parse_args()
     dev = "cuda"
     rows = []
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "python": platform.python_version(), "tokens": args.tokens,
+            "timing": f"median of {args.iters} fwd+bwd steps (CUDA events) after 3 warm-up steps"}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
     for name in args.shapes.split(","):
         for bal in args.balance.split(","):
             res = {r: run_case(name, r, bal == "skewed", args.tokens, args.iters, dev) for r in args.recipes.split(",")}
@@ -158,15 +167,8 @@ def main():
                       f"  peak {v['peak_mem_gib']:.2f} GiB  saved {v['saved_for_bwd_gib']:.2f} (bf16 {row['bf16_saved_for_bwd_gib'] or 0:.2f})"
                       f"  quant {100 * v['quant_share']:.0f}%", flush=True)
             torch.cuda.empty_cache()
-    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            with open(args.out, "w") as f:  # after every shape, so a cut-short run keeps its rows
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

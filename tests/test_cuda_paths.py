@@ -55,11 +55,13 @@ def test_grouped_mm_cuda_matches_fp64(backend, wblock, monkeypatch):
     M, K, N = sum(sizes), 256, 192
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
     a, w = mxmoe.quantize(wide(M, K)), mxmoe.quantize(wide(len(sizes), N, K, seed=1), block=wblock)
-    out = torch.full((M, N), float("nan"), device="cuda")
     out = mxmoe.grouped_mm(a, w.mT, offs, out_dtype=torch.float32)
     ref = torch.cat([a.dequantize(torch.float64)[s:e] @ w.dequantize(torch.float64)[g].t()
                      for g, (s, e) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
-    assert rel(out, ref) < 1e-3
+    # Gluon writes FP32 (measured ~5e-5); the BF16 route's torch._grouped_mm writes BF16, so its
+    # floor is BF16 rounding of the output (~1.3e-3 measured), not FP32 summation
+    tol = 1e-3 if backend == "gluon" else 2.5e-3
+    assert rel(out, ref) < tol
     out2 = mxmoe.grouped_mm(a, w.mT, offs, out_dtype=torch.float32)
     assert torch.equal(out, out2)  # bitwise reruns
     # wgrad form
@@ -68,7 +70,7 @@ def test_grouped_mm_cuda_matches_fp64(backend, wblock, monkeypatch):
     dw = mxmoe.grouped_mm(dy.mT, x, offs, out_dtype=torch.float32)
     ref = torch.stack([dy.dequantize(torch.float64)[s:e].t() @ x.dequantize(torch.float64)[s:e]
                        for s, e in zip([0] + offs.tolist()[:-1], offs.tolist())])
-    assert rel(dw, ref) < 1e-3 and bool((dw[[0, 2, 5]] == 0).all())
+    assert rel(dw, ref) < tol and bool((dw[[0, 2, 5]] == 0).all())
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d"])
@@ -79,7 +81,7 @@ def test_moe_layer_cuda_matches_reference_path(recipe):
     outs = []
     for dev in ("cpu", "cuda"):
         mm = m.to(dev)
-        xx = x.to(dev).requires_grad_()
+        xx = x.to(dev).detach().requires_grad_()
         y = mm(xx)
         y.square().sum().backward()
         outs.append([t.detach().float().cpu() for t in (y, xx.grad, mm.w13.grad, mm.w2.grad, mm.router.weight.grad)])

@@ -32,15 +32,18 @@ def _kernel():
         cols = pid_c * BC + tl.arange(0, BC)
         mask = (rows[:, None] < R) & (cols[None, :] < C)
         q = tl.load(data_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        sb = tl.load(scale_ptr + rows[:, None] * SC + cols[None, :] // 32, mask=mask, other=127).to(tl.int32)
+        scols = pid_c * (BC // 32) + tl.arange(0, BC // 32)  # one scale per 32 elements, broadcast below
+        smask = (rows[:, None] < R) & (scols[None, :] < SC)
+        sb = tl.load(scale_ptr + rows[:, None] * SC + scols[None, :], mask=smask, other=127).to(tl.int32)
         # 2^(b-127) applied as two normal FP32 powers of two (2^-127 itself is subnormal): the
         # first product is exact, the second rounds once, as the FP32 reference does; b = 255 is NaN
         e = sb - 127
         e1 = e >> 1
         s1 = ((e1 + 127) << 23).to(tl.float32, bitcast=True)
         s2 = ((e - e1 + 127) << 23).to(tl.float32, bitcast=True)
-        v = tl.where(sb == 255, float("nan"), (q * s1) * s2)
-        tl.store(out_ptr + rows[:, None] * C + cols[None, :], v.to(tl.bfloat16), mask=mask)
+        s2 = tl.where(sb == 255, float("nan"), s2)
+        v = (tl.reshape(q, (BR, BC // 32, 32)) * s1[:, :, None]) * s2[:, :, None]
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.reshape(v, (BR, BC)).to(tl.bfloat16), mask=mask)
 
     _dequant_kernel = mx_dequant_bf16_kernel
     return _dequant_kernel
@@ -68,8 +71,8 @@ def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     R = d2.shape[0]
     out = torch.empty(R, C, dtype=torch.bfloat16, device=data.device)
     if R and C:
-        BR, BC = 32, 128
+        BR, BC = 32, 256
         grid = (-(-R // BR), -(-C // BC))
         _kernel()[grid](d2.view(torch.uint8).view(torch.float8_e4m3fn), s2.view(torch.uint8), out, R, C, C // BLOCK,
-                        BR=BR, BC=BC, num_warps=4)
+                        BR=BR, BC=BC, num_warps=8)
     return out.view(data.shape)
