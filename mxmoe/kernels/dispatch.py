@@ -107,8 +107,10 @@ def sm90_gemm_backend(weight_block: int) -> str:
 
 
 # H200, 2026-11-30 (benchmarks/results/h200/grouped_gemm_routes.json), vs BF16 torch._grouped_mm:
-# 1x32 weights: Gluon 0.39-0.54x, BF16 expansion 0.56-0.74x; 32x32: Gluon 0.79-0.89x, expansion 0.57-0.73x.
-_SM90_DEFAULT = {1: "bf16", 32: "gluon"}
+# Gluon 0.32-0.54x (1x32 weights) and 0.41-0.89x (32x32); BF16 expansion (kernel v2) 0.61-0.97x on
+# qwen3/dsv3 for either weight block, where Gluon 32x32 reached 0.41-0.78x. In the MoE layer the
+# expansion route (mxfp8) beat Gluon (mxfp8_2d) on 3 of 4 shapes. Gluon stays selectable.
+_SM90_DEFAULT = {1: "bf16", 32: "bf16"}
 
 
 def _kmajor(t):
