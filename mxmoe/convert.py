@@ -48,10 +48,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mxmoe.moe import MoE, Routing, permute_plan
+from mxmoe.moe import MoE
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -109,16 +108,11 @@ class HFRoutedMoE(MoE):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         self.router_logits = None
 
-    def route(self, x: torch.Tensor) -> Routing:
-        """``x [T, D]`` -> :class:`~mxmoe.moe.Routing`; router in FP32; sets ``aux_loss`` and ``router_logits``."""
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # [T, E]
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """HF routing rules on FP32 logits ``[T, E]``; keeps ``router_logits`` for the block's return."""
         self.router_logits = logits
         if self.scoring == "softmax":
-            probs = logits.softmax(dim=-1)
-            weights, experts = probs.topk(self.top_k, dim=-1)  # [T, top_k]
-            if self.renormalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            probs, weights, experts = super().select(logits)
         else:
             scores = logits.sigmoid()  # [T, E]
             experts = self._group_limited_top_k(scores + self.e_score_correction_bias.float())
@@ -126,11 +120,7 @@ class HFRoutedMoE(MoE):
             if self.renormalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        weights = weights * self.routed_scaling_factor
-        slot_rows, offs, rows, counts = permute_plan(experts, self.num_experts, self.recipe.align)
-        frac_routed = counts.to(torch.float32) / max(experts.numel(), 1)  # f_e
-        self.aux_loss = self.aux_loss_coef * self.num_experts * (frac_routed * probs.mean(dim=0)).sum()
-        return Routing(weights, experts, slot_rows, offs, rows, counts)
+        return probs, weights * self.routed_scaling_factor, experts
 
     def _group_limited_top_k(self, choice: torch.Tensor) -> torch.Tensor:
         """``choice [T, E]`` -> top_k expert ids ``[T, top_k]`` among the best ``topk_group`` groups."""

@@ -118,14 +118,23 @@ class MoE(nn.Module):
             raise ValueError(f"MXFP8 recipes need dim and ffn_dim divisible by 32, got {self.dim} and {self.ffn_dim}")
         self.recipe = recipe
 
-    def route(self, x: torch.Tensor) -> Routing:
-        """Router in FP32: softmax over experts, top_k, (re)normalized weights; sets ``self.aux_loss``."""
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # [T, E]
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert choice from FP32 router logits ``[T, E]``: softmax, top_k, optional renormalization.
+
+        Returns ``(probs [T, E]`` used by the load-balancing loss, ``weights [T, top_k]``,
+        ``experts [T, top_k]`` int64). Subclasses change the routing rule here (mxmoe.convert does).
+        """
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, top_k]
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights, experts
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """Router in FP32, :meth:`select`, the permutation plan; sets ``self.aux_loss``."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.router.weight.float())  # [T, E]
+        probs, weights, experts = self.select(logits)
         slot_rows, offs, rows, counts = permute_plan(experts, self.num_experts, self.recipe.align)
         frac_routed = counts.to(torch.float32) / max(experts.numel(), 1)  # f_e
         mean_prob = probs.sum(dim=0) / max(probs.shape[0], 1)  # P_e; zero (not NaN) with no tokens
