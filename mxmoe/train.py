@@ -11,6 +11,16 @@ validation. Nothing is downloaded. Launch:
     mxmoe train --preset gpu --device cuda         # ~110M parameters, bf16 autocast
     python -m mxmoe train --steps 500 --lr 2e-3 --recipes bf16,mxfp8
 
+Expert parallelism: launched by ``torchrun`` with more than one process, every rank holds
+``experts / world`` experts of each MoE layer (``mxmoe.parallel``: gloo on CPUs, NCCL and one GPU
+per rank on CUDA) and trains on its own batches; the rest of the model is replicated and its
+gradients are averaged. ``--batch-size`` and ``--eval-batches`` count per rank; ``--experts`` must
+be divisible by the number of processes. Rank 0 prints and writes the outputs; checkpoints hold
+the full (single-process) state dict.
+
+    torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset tiny --out /tmp/tiny_ep2
+    torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset gpu --device cuda   # 8 experts per GPU
+
 Writes into ``--out``: ``metrics.json`` (config, environment, per-recipe losses and speed),
 ``loss.png`` (train and val curves) and ``model_<recipe>.safetensors``.
 """
@@ -25,11 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from mxmoe import parallel
 from mxmoe.moe import MoE
 
 VOCAB = 256  # byte-level: one token per byte
@@ -47,12 +59,12 @@ class TrainConfig:
     # data
     val_every_file: int = 20  # every N-th stdlib file (sorted) goes to the validation split
     seq_len: int = 128  # tokens (bytes) per training window = context length
-    batch_size: int = 16  # windows per optimizer step
+    batch_size: int = 16  # windows per optimizer step (per rank under torchrun)
     # model
     dim: int = 128  # residual stream width (multiple of 32: experts quantize along it)
     layers: int = 2  # transformer blocks, each attention + MoE
     heads: int = 4  # attention heads (dim % heads == 0)
-    experts: int = 8  # experts per MoE layer
+    experts: int = 8  # experts per MoE layer (a multiple of the torchrun processes)
     top_k: int = 2  # experts each token is routed to
     ffn_dim: int = 256  # hidden width of one expert (multiple of 32)
     aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss
@@ -65,7 +77,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the global gradient norm to this
     # evaluation
     eval_every: int = 50  # steps between validation passes (also at step 0 and at the end)
-    eval_batches: int = 8  # batches per validation pass (the same batches every time)
+    eval_batches: int = 8  # batches per validation pass, per rank (the same batches every time)
 
     def __post_init__(self):
         if self.dim % self.heads:
@@ -189,6 +201,64 @@ def count_params(model: MoELM, cfg: TrainConfig) -> dict:
     return {"total": total, "moe": moe, "experts": experts, "active_per_token": active}
 
 
+# ----------------------------------------------------------------------------- expert parallelism (torchrun)
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This process's place in a torchrun launch; the default is a single process."""
+
+    group: object = None  # the default process group, None when single-process
+    rank: int = 0
+    size: int = 1  # number of processes (ranks); each holds experts / size experts per MoE layer
+
+
+SINGLE_PROCESS = ExpertParallel()
+
+
+def init_expert_parallel(cfg: TrainConfig, device: torch.device) -> tuple[ExpertParallel, torch.device]:
+    """Join the process group when launched by torchrun with WORLD_SIZE > 1 (gloo for a CPU run,
+    NCCL for CUDA, where the device becomes ``cuda:LOCAL_RANK``); else ``(SINGLE_PROCESS, device)``.
+
+    Raises ValueError (on every rank, before any collective) if ``cfg.experts`` is not divisible
+    by the number of processes.
+    """
+    group = parallel.maybe_init_distributed("nccl" if device.type == "cuda" else "gloo")
+    if group is None:
+        return SINGLE_PROCESS, device
+    ep = ExpertParallel(group, dist.get_rank(group), dist.get_world_size(group))
+    if cfg.experts % ep.size:
+        raise ValueError(f"--experts {cfg.experts} is not divisible by the {ep.size} torchrun processes "
+                         "(expert parallelism: each rank holds experts / processes of every MoE layer's experts)")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return ep, device
+
+
+def mean_over_ranks(t: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """Element-wise mean of ``t`` over the ranks (FP32); ``t`` itself when single-process. Collective."""
+    if ep.group is None:
+        return t
+    t = t.detach().float().clone()
+    dist.all_reduce(t, group=ep.group)
+    return t / ep.size
+
+
+def clip_gradients(model: nn.Module, params: list[nn.Parameter], max_norm: float, ep: ExpertParallel) -> None:
+    """Single process: ``clip_grad_norm_``. Expert parallel: average the replicated gradients over
+    the ranks (expert gradients already hold every rank's tokens), then clip the global norm."""
+    if ep.group is None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    parallel.allreduce_gradients(model, ep.group)
+    parallel.clip_grad_norm_(model, max_norm, ep.group)
+
+
+def full_state_dict(model: nn.Module, ep: ExpertParallel) -> dict[str, torch.Tensor]:
+    """The single-process state dict on the CPU; expert slices all-gathered under torchrun (collective)."""
+    state = parallel.full_state_dict(model, ep.group) if ep.group is not None else model.state_dict()
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+
 # ----------------------------------------------------------------------------- training
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -209,20 +279,26 @@ def _sync(device: torch.device):
 
 
 @torch.no_grad()
-def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.device) -> float:
-    """Mean validation cross-entropy over ``cfg.eval_batches`` batches (the same ones every call)."""
+def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.device,
+             ep: ExpertParallel = SINGLE_PROCESS) -> float:
+    """Mean validation cross-entropy over ``cfg.eval_batches`` batches per rank (the same ones every
+    call): rank r of W takes batches r, r + W, ... of one seeded stream, so the W ranks together see
+    its first ``W * eval_batches`` batches. Collective under torchrun; every rank gets the mean."""
     model.eval()
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     losses = []
-    for _ in range(cfg.eval_batches):
-        with _autocast(device):
-            losses.append(model(*get_batch(data, cfg.batch_size, cfg.seq_len, gen, device))[0])
+    for i in range(cfg.eval_batches * ep.size):
+        x, y = get_batch(data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
+        if i % ep.size == ep.rank:
+            with _autocast(device):
+                losses.append(model(x, y)[0])
     model.train()
-    return torch.stack(losses).mean().item()
+    return mean_over_ranks(torch.stack(losses).mean(), ep).item()
 
 
 def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: torch.Tensor,
-                 val_data: torch.Tensor, device: torch.device) -> tuple[MoELM, dict]:
+                 val_data: torch.Tensor, device: torch.device,
+                 ep: ExpertParallel = SINGLE_PROCESS) -> tuple[MoELM, dict]:
     """Train one recipe from ``init_state`` on the seeded batch order; return (model, metrics).
 
     Metrics: ``train_loss`` / ``aux_loss`` (one per step), ``final_train_loss`` (mean of the last
@@ -230,11 +306,18 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     updates), ``tokens_per_s`` and ``ms_per_step``
     (training steps only, first steps excluded as warm-up), ``peak_mem_gib`` (CUDA, else None),
     ``wall_s`` (everything, evaluation included).
+
+    Under torchrun (``ep.group`` set) every MoE becomes expert-parallel, rank r draws its batches
+    from seed ``cfg.seed + r``, losses are means over the ranks, tokens/s counts all ranks' tokens
+    and the times are this rank's. Collective: every rank must call it with the same arguments.
     """
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = MoELM(cfg, recipe)
     model.load_state_dict(init_state)
+    if ep.group is not None:
+        model = parallel.convert_to_expert_parallel(model, ep.group)  # this rank's experts of every MoE
+        parallel.sync_replicated_parameters(model, ep.group)
     model.to(device).train()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -242,15 +325,15 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(cfg.seed)  # same batch order for every recipe
+    gen = torch.Generator().manual_seed(cfg.seed + ep.rank)  # same batch order for every recipe
     ce_hist, aux_hist, step_s = [], [], []
     m = {"train_loss": [], "aux_loss": [], "val_step": [], "val_loss": []}
     postfix = {}
-    bar = tqdm(total=cfg.steps, desc=f"{recipe:>8}", dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, desc=f"{recipe:>8}", dynamic_ncols=True, disable=ep.rank != 0)
     for step in range(cfg.steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.steps:
             m["val_step"].append(step)
-            m["val_loss"].append(evaluate(model, val_data, cfg, device))
+            m["val_loss"].append(evaluate(model, val_data, cfg, device, ep))
             postfix["val"] = f"{m['val_loss'][-1]:.3f}"
             bar.set_postfix(postfix, refresh=False)
         if step == cfg.steps:
@@ -262,7 +345,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         with _autocast(device):
             ce, aux = model(x, y)
         (ce + aux).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        clip_gradients(model, params, cfg.grad_clip, ep)
         opt.step()
         opt.zero_grad(set_to_none=True)
         ce_hist.append(ce.detach())
@@ -274,12 +357,12 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
             postfix["loss"] = f"{ce.item():.3f}"
             bar.set_postfix(postfix)
     bar.close()
-    m["train_loss"] = torch.stack(ce_hist).tolist()
-    m["aux_loss"] = torch.stack(aux_hist).float().tolist()
+    m["train_loss"] = mean_over_ranks(torch.stack(ce_hist), ep).tolist()  # [steps]
+    m["aux_loss"] = mean_over_ranks(torch.stack(aux_hist).float(), ep).tolist()
     m["final_train_loss"] = final_train_loss(m)
     timed = step_s[min(10, cfg.steps // 5):]  # skip warm-up steps (allocator, kernel compilation)
     m["ms_per_step"] = 1e3 * sum(timed) / len(timed)
-    m["tokens_per_s"] = cfg.batch_size * cfg.seq_len * len(timed) / sum(timed)
+    m["tokens_per_s"] = ep.size * cfg.batch_size * cfg.seq_len * len(timed) / sum(timed)  # all ranks
     m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     m["wall_s"] = time.perf_counter() - t_start
     return model, m
@@ -329,40 +412,51 @@ def summarize(metrics: dict) -> str:
 def run(cfg: TrainConfig) -> dict:
     """Train every recipe of ``cfg.recipes`` from one init on one batch order; write the outputs.
 
+    Under torchrun with more than one process: joins the process group, trains expert-parallel,
+    has rank 0 print and write, and destroys the group at the end.
     Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
     """
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ep, device = init_expert_parallel(cfg, device)
+    main_rank = ep.rank == 0  # prints and writes
     recipes = list(dict.fromkeys(r.strip() for r in cfg.recipes.split(",") if r.strip()))
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if main_rank:
+        out.mkdir(parents=True, exist_ok=True)
     train_data, val_data = load_stdlib(cfg.val_every_file)
     torch.manual_seed(cfg.seed)
     init_model = MoELM(cfg, recipes[0])
     init_state = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
     params = count_params(init_model, cfg)
     del init_model
-    print(f"data: {len(train_data) / 1e6:.1f}M train / {len(val_data) / 1e6:.1f}M val bytes of stdlib .py | "
-          f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "
-          f"per token | device: {device} | recipes: {', '.join(recipes)}")
-    env = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+    if main_rank:
+        ranks = f" x {ep.size} ranks, expert parallel" if ep.group is not None else ""
+        print(f"data: {len(train_data) / 1e6:.1f}M train / {len(val_data) / 1e6:.1f}M val bytes of stdlib .py | "
+              f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "
+              f"per token | device: {device}{ranks} | recipes: {', '.join(recipes)}")
+    env = {"device": str(device), "world_size": ep.size, "torch": torch.__version__, "cuda": torch.version.cuda,
            "python": platform.python_version(),
            "platform": platform.platform(), "threads": torch.get_num_threads(),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     metrics = {"config": dataclasses.asdict(cfg), "env": env, "params": params,
                "data_bytes": {"train": len(train_data), "val": len(val_data)}, "recipes": {}}
     for recipe in recipes:
-        model, metrics["recipes"][recipe] = train_recipe(cfg, recipe, init_state, train_data, val_data, device)
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(state, out / f"model_{recipe}.safetensors",
-                  metadata={"recipe": recipe, "config": json.dumps(dataclasses.asdict(cfg))})
-        del model
+        model, metrics["recipes"][recipe] = train_recipe(cfg, recipe, init_state, train_data, val_data, device, ep)
+        state = full_state_dict(model, ep)  # every rank takes part; rank 0 writes
+        if main_rank:
+            save_file(state, out / f"model_{recipe}.safetensors",
+                      metadata={"recipe": recipe, "config": json.dumps(dataclasses.asdict(cfg))})
+        del model, state
     if "bf16" in metrics["recipes"]:
         ref = metrics["recipes"]["bf16"]["val_loss"][-1]
         metrics["val_gap_vs_bf16_pct"] = {r: 100 * (m["val_loss"][-1] - ref) / ref
                                           for r, m in metrics["recipes"].items() if r != "bf16"}
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    plot_losses(metrics, out / "loss.png")
-    print(summarize(metrics))
-    print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'}, "
-          + ", ".join(str(out / f"model_{r}.safetensors") for r in recipes))
+    if main_rank:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        plot_losses(metrics, out / "loss.png")
+        print(summarize(metrics))
+        print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'}, "
+              + ", ".join(str(out / f"model_{r}.safetensors") for r in recipes))
+    if ep.group is not None:
+        parallel.shutdown_distributed()
     return metrics

@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +59,52 @@ def test_plot_and_checkpoints(run_dir):
         model = MoELM(cfg, recipe)
         model.load_state_dict(state)  # the checkpoint restores a model
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def torchrun_train(out, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node <nproc> -m mxmoe train --preset tiny --device cpu ...``
+    in a subprocess (gloo), from this checkout."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "mxmoe", "train", "--preset", "tiny", "--device", "cpu", "--out", str(out), *args]
+    return subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def test_torchrun_expert_parallel(run_dir, tmp_path):
+    """Two CPU processes: experts split 2 + 2, rank 0 alone prints and writes, full checkpoints.
+
+    Each rank evaluates 1 batch, rank r batch r of the seeded validation stream, so at step 0 (same
+    init) the mean over ranks is the single-process validation loss over 2 batches (run_dir's).
+    """
+    steps = 10
+    proc = torchrun_train(tmp_path, "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "1")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("wrote ") == 1 and proc.stdout.count("recipe ") == 1  # rank 0 only
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    single = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["env"]["world_size"] == 2 and set(metrics["recipes"]) == {"bf16", "mxfp8"}
+    for recipe, m in metrics["recipes"].items():
+        assert len(m["train_loss"]) == steps and m["val_step"] == [0, steps]
+        assert all(math.isfinite(x) for x in m["train_loss"] + m["val_loss"] + m["aux_loss"])
+        assert m["tokens_per_s"] > 0
+        assert m["val_loss"][0] == pytest.approx(single["recipes"][recipe]["val_loss"][0], rel=1e-5)
+        assert m["val_loss"][-1] < m["val_loss"][0] - 0.5
+    from safetensors.torch import load_file
+
+    cfg = make_config("tiny")
+    for recipe in ("bf16", "mxfp8"):
+        state = load_file(tmp_path / f"model_{recipe}.safetensors")
+        want = load_file(run_dir / f"model_{recipe}.safetensors")
+        assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in want.items()}
+        MoELM(cfg, recipe).load_state_dict(state)  # loadable single-process
+
+
+def test_torchrun_experts_not_divisible(tmp_path):
+    proc = torchrun_train(tmp_path, "--experts", "3", "--steps", "1")
+    assert proc.returncode != 0
+    assert proc.stderr.count("ValueError: --experts 3 is not divisible by the 2 torchrun processes") == 2  # each rank
+    assert not (tmp_path / "metrics.json").exists()
 
 
 def test_data_split_is_deterministic():
