@@ -44,11 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mxmoe`` console script; ``argv`` defaults to ``sys.argv[1:]``."""
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
     command = args.pop("command")
     if command == "train":
         from mxmoe.train import make_config, run
 
         preset = args.pop("preset")
-        run(make_config(preset, **{k: v for k, v in args.items() if v is not None}))
+        try:
+            cfg = make_config(preset, **{k: v for k, v in args.items() if v is not None})
+        except ValueError as e:  # a bad flag combination: a usage error (exit 2), not a traceback
+            parser.error(f"train: {e}")
+        run(cfg)
     return 0

@@ -108,6 +108,11 @@ class HFRoutedMoE(MoE):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         self.router_logits = None
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["router_logits"] = None  # graph-attached, per forward: not copied or pickled
+        return state
+
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """HF routing rules on FP32 logits ``[T, E]``; keeps ``router_logits`` for the block's return."""
         self.router_logits = logits
@@ -223,6 +228,9 @@ def convert(model: nn.Module, recipe: "str | Recipe" = "mxfp8", *, strict: bool 
         new = _convert_block(block, recipe, config, aux_loss_coef)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if not found:
+        warnings.warn(f"convert found no supported sparse-MoE block in {type(model).__name__} "
+                      f"(supported: {', '.join(sorted(SUPPORTED_BLOCKS))}); nothing was replaced", stacklevel=2)
     if plans and getattr(config, "output_router_logits", False):
         warnings.warn("converted MoE blocks do not feed transformers' router_logits recording; "
                       "setting config.output_router_logits = False (use each block's moe.aux_loss)", stacklevel=2)

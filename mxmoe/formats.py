@@ -80,6 +80,8 @@ def _check_input(x: torch.Tensor, axis: int) -> int:
         raise TypeError(f"quantize expects a float16/bfloat16/float32/float64 tensor, got dtype {x.dtype}")
     if x.dim() == 0:
         raise ValueError("quantize expects at least one dimension")
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis {axis} is out of range for a {x.dim()}-dimensional tensor")
     axis = axis % x.dim()
     if x.shape[axis] % BLOCK != 0:
         raise ValueError(
@@ -219,7 +221,7 @@ def quantize(
     xf = x.to(torch.float32)
     if block == (1, BLOCK):
         xm = xf.movedim(axis, -1)  # [..., L]
-        xb = xm.reshape(*xm.shape[:-1], -1, BLOCK)  # [..., L/32, 32]
+        xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)  # [..., L/32, 32]
         data, scale = _quantize_blocks(xb, _block_amax(xb), rule)
         data = data.reshape(xm.shape).movedim(-1, axis).contiguous()
         scale = scale.movedim(-1, axis).contiguous()

@@ -32,6 +32,14 @@ def blocked_numel(rows: int, cols: int) -> int:
     return _ceil(rows, ROW_TILE) * _ceil(cols, COL_TILE)
 
 
+def _check_scale(scale, fn: str) -> None:
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"{fn} expects a float8_e8m0fnu (or uint8) scale tensor, got "
+                        f"{getattr(scale, 'dtype', type(scale).__name__)}")
+    if scale.dim() != 2:
+        raise ValueError(f"{fn} expects a 2D scale matrix, got shape {tuple(scale.shape)}")
+
+
 def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     """Row-major ``[rows, cols]`` scales -> flat 128x4 blocked layout (cuBLAS block-scaling layout).
 
@@ -41,10 +49,9 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
         1D tensor of the same dtype with ``ceil(rows/128)*128 * ceil(cols/4)*4`` entries; padding
         entries are zero.
     Raises:
-        ValueError: ``scale`` is not 2D.
+        TypeError: not an E8M0/uint8 tensor. ValueError: not 2D.
     """
-    if scale.dim() != 2:
-        raise ValueError(f"to_blocked expects a 2D scale matrix, got shape {tuple(scale.shape)}")
+    _check_scale(scale, "to_blocked")
     rows, cols = scale.shape
     R, C = _ceil(rows, ROW_TILE), _ceil(cols, COL_TILE)
     b = scale.view(torch.uint8)
@@ -97,9 +104,13 @@ def to_blocked_grouped(scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.T
         ``(blocked, blocked_offs)``: the flat blocked scales, group after group, each group
         starting on a 128-row boundary (``blocked_offs[-1] * ceil(cols/4)*4`` entries), and the
         padded-row end offsets from :func:`blocked_group_offsets`.
+    Raises:
+        TypeError / ValueError: bad scale tensor, or offsets not int32, not non-decreasing, or past ``M``.
     """
-    if scale.dim() != 2:
-        raise ValueError(f"to_blocked_grouped expects a 2D scale matrix, got shape {tuple(scale.shape)}")
+    from mxmoe.ops import check_offsets
+
+    _check_scale(scale, "to_blocked_grouped")
+    check_offsets(offs, None, scale.shape[0], "rows")
     ends = offs.tolist()
     parts, start = [], 0
     for end in ends:

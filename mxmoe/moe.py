@@ -88,12 +88,15 @@ class MoE(nn.Module):
     Parameters:
         router.weight ``[E, D]``; w13 ``[E, 2F, D]`` (gate rows ``[:F]``, up rows ``[F:]``); w2 ``[E, D, F]``.
     Raises:
-        ValueError: ``top_k`` outside ``[1, num_experts]``, or dims not divisible by 32 under MXFP8.
+        ValueError: non-positive sizes, ``top_k`` outside ``[1, num_experts]``, or dims not divisible
+            by 32 under MXFP8 (or by 8 under bf16: BF16 grouped GEMMs need 16-byte rows).
     """
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int,
                  recipe: "str | Recipe" = "mxfp8", aux_loss_coef: float = 0.01, renormalize: bool | None = None):
         super().__init__()
+        if min(dim, ffn_dim, num_experts) < 1:
+            raise ValueError(f"dim, ffn_dim and num_experts must be positive, got {dim}, {ffn_dim}, {num_experts}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
@@ -106,6 +109,13 @@ class MoE(nn.Module):
         self.reset_parameters()
         self.aux_loss = torch.zeros(())
 
+    def __getstate__(self):
+        """Copies and pickles drop the last forward's graph-attached ``aux_loss`` (deepcopy of a
+        non-leaf tensor fails, and a copy should not hold the original's autograd graph)."""
+        state = super().__getstate__()
+        state["aux_loss"] = torch.zeros(())
+        return state
+
     def reset_parameters(self) -> None:
         nn.init.normal_(self.router.weight, std=self.dim ** -0.5)
         nn.init.normal_(self.w13, std=self.dim ** -0.5)
@@ -116,6 +126,9 @@ class MoE(nn.Module):
         recipe = get_recipe(recipe)
         if recipe.mxfp8 and (self.dim % 32 or self.ffn_dim % 32):
             raise ValueError(f"MXFP8 recipes need dim and ffn_dim divisible by 32, got {self.dim} and {self.ffn_dim}")
+        if recipe.compute_dtype == "bfloat16" and (self.dim % 8 or self.ffn_dim % 8):
+            raise ValueError(f"the {recipe.name} recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), "
+                             f"got {self.dim} and {self.ffn_dim}")
         self.recipe = recipe
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,7 +161,7 @@ class MoE(nn.Module):
         return grouped_linear(F.silu(gate) * up, self.w2, offs, self.recipe, validate=False)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[batch, seq, D]`` or ``[T, D]`` (float32 or bfloat16) -> same shape and dtype."""
+        """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype."""
         if x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
         shape = x.shape

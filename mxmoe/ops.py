@@ -39,7 +39,7 @@ def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=B
     Raises:
         TypeError, ValueError: as :func:`mxmoe.formats.quantize`.
     """
-    if x.is_cuda:
+    if isinstance(x, torch.Tensor) and x.is_cuda:
         from mxmoe.kernels import dispatch
 
         out = dispatch.quantize_cuda(x, axis, scale_rule, block)
@@ -154,9 +154,16 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
         acc = torch.float64 if out_dtype == torch.float64 else torch.float32
         return _reference_grouped_mm(a.dequantize(acc), b.dequantize(acc), offs, out_dtype)
     out_dtype = out_dtype or a.dtype
-    if a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (a.is_cuda or a.device.type == "cpu"):
+    if a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and _aligned_16b(a) and _aligned_16b(b):
         return torch._grouped_mm(a, b, offs, out_dtype=out_dtype)
     return _reference_grouped_mm(a, b, offs, out_dtype)
+
+
+def _aligned_16b(t: torch.Tensor) -> bool:
+    """torch._grouped_mm needs one unit-stride dim, other strides and the base on 16 bytes."""
+    size = t.element_size()
+    return (1 in t.stride()[-2:] and all((s * size) % 16 == 0 for s in t.stride() if s != 1)
+            and t.data_ptr() % 16 == 0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,18 @@ class Recipe:
     compute_dtype: str = "bfloat16"  # operand dtype of the non-MX products ("float32" for the exact test recipe)
     align: int = 32  # rows of each expert group are padded to a multiple of this (32 = one MX block of tokens)
 
+    def __post_init__(self):
+        if self.weight_block not in (1, 32):
+            raise ValueError(f"weight_block must be 1 (1x32 blocks) or 32 (32x32 tiles), got {self.weight_block}")
+        if self.scale_rule not in ("rceil", "floor"):
+            raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
+        if self.compute_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype!r}")
+        if not isinstance(self.align, int) or self.align < 1:
+            raise ValueError(f"align must be a positive number of rows, got {self.align!r}")
+        if self.mxfp8 and self.align % 32:
+            raise ValueError(f"MXFP8 recipes pad expert groups to whole 32-token blocks: align must be a multiple of 32, got {self.align}")
+
     def with_(self, **kw) -> "Recipe":
         return replace(self, **kw)
 

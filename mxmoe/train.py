@@ -86,8 +86,19 @@ class TrainConfig:
             raise ValueError(f"dim {self.dim} and ffn_dim {self.ffn_dim} must be multiples of 32 (MXFP8 blocks)")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, experts={self.experts}]")
-        if min(self.steps, self.eval_every, self.eval_batches) < 1:
-            raise ValueError("steps, eval_every and eval_batches must be >= 1")
+        if min(self.steps, self.eval_every, self.eval_batches, self.batch_size, self.seq_len, self.layers) < 1:
+            raise ValueError("steps, eval_every, eval_batches, batch_size, seq_len and layers must be >= 1")
+        if self.val_every_file < 2:
+            raise ValueError(f"val_every_file must be >= 2 (every file would be validation), got {self.val_every_file}")
+        from mxmoe.recipes import get_recipe
+
+        names = [r.strip() for r in self.recipes.split(",") if r.strip()]
+        if not names:
+            raise ValueError("recipes is empty; give e.g. --recipes bf16,mxfp8")
+        for name in names:
+            get_recipe(name)  # unknown names fail here, before any training
+        if self.device and self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device} asked for, but torch sees no CUDA GPU here")
 
 
 PRESETS = {

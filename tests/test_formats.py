@@ -186,7 +186,14 @@ def test_transpose_view_dequantizes_consistently():
     (lambda: mxmoe.quantize(torch.randn(4, 32), scale_rule="round"), ValueError, "round"),
     (lambda: mxmoe.quantize(torch.randn(4, 32), block=(16, 32)), ValueError, "block"),
     (lambda: mxmoe.quantize(torch.randn(64, 32, 4), axis=0, block=(32, 32)), ValueError, "last two"),
+    (lambda: mxmoe.quantize(torch.randn(32, 32), axis=2), ValueError, "out of range"),
+    (lambda: mxmoe.quantize([[1.0] * 32]), TypeError, "torch.Tensor"),
 ])
 def test_bad_input(bad, exc, msg):
     with pytest.raises(exc, match=msg):
         bad()
+
+
+def test_zero_rows():
+    q = mxmoe.quantize(torch.ones(0, 64))
+    assert q.data.shape == (0, 64) and q.scale.shape == (0, 2)

@@ -140,3 +140,9 @@ def test_prequantized_input_is_used_as_is_and_requantizing_is_lossless():
     assert xd.grad is not None and xd.grad.shape == x.shape
     with pytest.raises(ValueError, match="x_mx"):
         grouped_linear(xd, w, offsets(sizes), "mxfp8", x_mx=mxmoe.quantize(x, axis=0))
+
+
+def test_bf16_odd_shapes_fall_back_to_the_reference():
+    a, b = torch.randn(10, 33, dtype=torch.bfloat16), torch.randn(2, 33, 7, dtype=torch.bfloat16)
+    out = grouped_mm(a, b, offsets([4, 6]))  # 16-byte strides impossible: torch._grouped_mm would refuse
+    assert out.shape == (10, 7) and rel(out, loop_2d3d(a, b, [4, 6])) < 1e-2

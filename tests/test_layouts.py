@@ -48,6 +48,15 @@ def test_grouped_blocked_layout_starts_each_group_on_128_rows():
         start, pstart = start + n, pend
 
 
+def test_bad_input_more():
+    with pytest.raises(TypeError, match="e8m0"):
+        mxmoe.to_blocked(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        mxmoe.to_blocked_grouped(torch.zeros(8, 2, dtype=torch.uint8), torch.tensor([5, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="past"):
+        mxmoe.to_blocked_grouped(torch.zeros(8, 2, dtype=torch.uint8), torch.tensor([5, 9], dtype=torch.int32))
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="2D"):
         mxmoe.to_blocked(torch.zeros(2, 3, 4, dtype=torch.uint8))

@@ -106,6 +106,13 @@ def test_bad_config():
         mxmoe.MoE(32, 48, 4, 2, recipe="mxfp8")
     with pytest.raises(ValueError, match="unknown recipe"):
         mxmoe.MoE(32, 64, 4, 2, recipe="fp4")
+    with pytest.raises(ValueError, match="positive"):
+        mxmoe.MoE(32, 64, 0, 1)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        mxmoe.MoE(33, 64, 4, 2, recipe="bf16")
+    for bad in (dict(weight_block=16), dict(align=0), dict(compute_dtype="int8"), dict(scale_rule="up")):
+        with pytest.raises(ValueError):
+            mxmoe.Recipe("x", **bad)
     with pytest.raises(ValueError, match="last dim"):
         mxmoe.MoE(32, 64, 4, 2)(torch.randn(3, 16))
 
@@ -116,3 +123,19 @@ def test_zero_tokens():
     y = m(x)
     (y.sum() + m.aux_loss).backward()
     assert y.shape == (0, 32) and m.aux_loss.item() == 0.0
+
+
+def test_deepcopy_and_pickle_after_a_forward():
+    import copy
+    import pickle
+
+    m = mxmoe.MoE(32, 64, 4, 2, recipe="fp32")
+    x = torch.randn(10, 32, requires_grad=True)
+    m(x).sum().backward()
+    assert m.aux_loss.requires_grad
+    c = copy.deepcopy(m)  # an EMA / best-model copy taken during training
+    p = pickle.loads(pickle.dumps(m))
+    for other in (c, p):
+        assert float(other.aux_loss) == 0.0
+        assert torch.equal(other(x.detach()), m(x.detach()))
+    assert m.aux_loss.requires_grad  # the original keeps its own

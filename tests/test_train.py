@@ -132,3 +132,18 @@ def test_config_checks():
         make_config("tiny", steps=0)
     with pytest.raises(ValueError):
         make_config("nope")
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--batch-size", "0"], "must be >= 1"),
+    (["--recipes", "bf16,mxfp9"], "unknown recipe 'mxfp9'"),
+    (["--val-every-file", "1"], "val_every_file"),
+    (["--experts", "3", "--top-k", "5"], "top_k 5"),
+])
+def test_cli_rejects_bad_flags_before_training(flags, msg, capsys, tmp_path):
+    from mxmoe.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--preset", "tiny", "--out", str(tmp_path / "o"), *flags])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing trained, nothing written

@@ -98,7 +98,7 @@ def sm90_gemm_backend(weight_block: int) -> str:
     :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`). ``"bf16"``: exact expansion of the MX operands
     to BF16 (:mod:`mxmoe.kernels.dequantize`) and BF16 ``torch._grouped_mm``. Chosen by the
     environment variable ``MXMOE_SM90_GEMM`` (``gluon`` / ``bf16``); by default the route that
-    measured faster on an H200 for the weight block (benchmarks/results/h200/grouped_gemm.json).
+    measured faster on an H200 for the weight block (benchmarks/results/h200/grouped_gemm_routes.json).
     """
     choice = os.environ.get("MXMOE_SM90_GEMM", "auto")
     if choice in ("gluon", "bf16"):
