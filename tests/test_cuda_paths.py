@@ -73,8 +73,16 @@ def test_grouped_mm_cuda_matches_fp64(backend, wblock, monkeypatch):
     assert rel(dw, ref) < tol and bool((dw[[0, 2, 5]] == 0).all())
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d"])
-def test_moe_layer_cuda_matches_reference_path(recipe):
+@pytest.mark.parametrize("recipe,tol", [("bf16", 2e-3), ("mxfp8", 5e-2), ("mxfp8_2d", 5e-2)])
+def test_moe_layer_cuda_matches_reference_path(recipe, tol):
+    """Layer output and gradients (x, w13, w2, router) on CUDA against the CPU reference path.
+
+    Measured on the H200, 2026-11-30: bf16 <= 5.5e-4 (routing, permutation, combine and products
+    agree); mxfp8 and mxfp8_2d 1.4e-2 (y), 2.1e-2 (dx), 3.1e-2 (dw13), 3.0e-2 (dw2), 1.4e-2 (router).
+    Both paths quantize bit-identically, but the GPU's products write BF16 where the CPU's write
+    FP32, and each later quantization re-rounds the slightly different values into E4M3 (one step
+    is ~6% of an element; two independent E4M3 roundings differ by ~3.4% RMS).
+    """
     torch.manual_seed(0)
     m = mxmoe.MoE(256, 512, 8, 2, recipe=recipe)
     x = torch.randn(2, 300, 256)
@@ -87,7 +95,4 @@ def test_moe_layer_cuda_matches_reference_path(recipe):
         outs.append([t.detach().float().cpu() for t in (y, xx.grad, mm.w13.grad, mm.w2.grad, mm.router.weight.grad)])
         mm.zero_grad()
     for a, b in zip(*outs):
-        # Both paths quantize bit-identically, but GPU products write BF16 (CPU: FP32) before SwiGLU
-        # and the next quantization, which flips some E4M3 roundings (one step is ~6% of an
-        # element): measured 1.1-1.4% on the H200, 2026-11-30.
-        assert rel(a, b) < 3e-2
+        assert rel(a, b) < tol
