@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxmoe.formats import MXTensor
 from mxmoe.ops import grouped_linear
 from mxmoe.recipes import Recipe, get_recipe
 
@@ -154,9 +155,22 @@ class MoE(nn.Module):
         self.aux_loss = self.aux_loss_coef * self.num_experts * (frac_routed * mean_prob).sum()
         return Routing(weights, experts, slot_rows, offs, rows, counts)
 
-    def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``."""
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False)  # [M, 2F]
+    def permute(self, x2: torch.Tensor, r: Routing):
+        """Tokens ``x2 [T, D]`` -> the expert-ordered buffer ``xp [M, D]`` (groups padded to
+        ``recipe.align`` rows). Returns ``(xp, offs [E] int32, x_mx, state)``: ``x_mx`` is the
+        buffer already in MXFP8 or None, ``state`` what :meth:`unpermute` needs. Expert-parallel
+        subclasses exchange tokens here."""
+        src = x2.repeat_interleave(self.top_k, dim=0)  # [T*top_k, D], slot t*top_k + j
+        return x2.new_zeros(r.rows, self.dim).index_copy(0, r.slot_rows, src), r.offs, None, r
+
+    def unpermute(self, yp: torch.Tensor, state, tokens: int) -> torch.Tensor:
+        """Expert outputs ``yp [M, D]`` -> each slot's output ``[T*top_k, D]`` (slot t*top_k + j)."""
+        return yp.index_select(0, state.slot_rows)
+
+    def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None) -> torch.Tensor:
+        """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same
+        rows already in MXFP8 (fprop uses them, no second quantization)."""
+        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx)  # [M, 2F]
         gate, up = h.split(self.ffn_dim, dim=-1)
         return grouped_linear(F.silu(gate) * up, self.w2, offs, self.recipe, validate=False)  # [M, D]
 
@@ -168,10 +182,9 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.dim)  # [T, D]
         T = x2.shape[0]
         r = self.route(x2)
-        src = x2.repeat_interleave(self.top_k, dim=0)  # [T*top_k, D], slot t*top_k + j
-        xp = x2.new_zeros(r.rows, self.dim).index_copy(0, r.slot_rows, src)  # [M, D]
-        yp = self.experts_forward(xp, r.offs)  # [M, D]
-        y = yp.index_select(0, r.slot_rows).view(T, self.top_k, self.dim)
+        xp, offs, x_mx, state = self.permute(x2, r)  # [M, D]
+        yp = self.experts_forward(xp, offs, x_mx)  # [M, D]
+        y = self.unpermute(yp, state, T).view(T, self.top_k, self.dim)
         y = (y * r.weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [T, D]
         return y.view(shape).to(x.dtype)
 

@@ -36,12 +36,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from mxmoe.formats import BLOCK, MXTensor
-from mxmoe.moe import MoE
-from mxmoe.ops import grouped_linear, quantize
+from mxmoe.moe import MoE, Routing
+from mxmoe.ops import quantize
 from mxmoe.recipes import Recipe
 
 DISPATCH_DTYPES = ("auto", "mxfp8", "bf16", None)
@@ -417,26 +416,15 @@ class ExpertParallelMoE(MoE):
         self.comm_stats.update({f"{what}_rows": rows, f"{what}_bytes": rows * row_bytes,
                                 f"{what}_remote_bytes": remote * row_bytes})
 
-    def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None) -> torch.Tensor:
-        """Local SwiGLU experts on ``xp [M, D]`` -> ``[M, D]``; ``x_mx`` (rows already in MXFP8) feeds fprop."""
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx)  # [M, 2F]
-        gate, up = h.split(self.ffn_dim, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.w2, offs, self.recipe, validate=False)  # [M, D]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[batch, seq, D]`` or ``[T, D]`` (float32 or bfloat16) -> same shape and dtype. Collective."""
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
-        shape = x.shape
-        x2 = x.reshape(-1, self.dim)  # [T, D]
-        T = x2.shape[0]
-        r = self.route(x2)
+    def permute(self, x2: torch.Tensor, r: Routing):
+        """Collective: exchange tokens so each rank holds its experts' rows (see :meth:`dispatch`)."""
         plan = self.dispatch_plan(r.experts, r.counts)
         xp, x_mx = self.dispatch(x2, plan)  # [M, D]
-        yp = self.experts_forward(xp, plan.offs, x_mx)  # [M, D]
-        y = self.combine(yp, plan, T).view(T, self.top_k, self.dim)
-        y = (y * r.weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [T, D]
-        return y.view(shape).to(x.dtype)
+        return xp, plan.offs, x_mx, plan
+
+    def unpermute(self, yp: torch.Tensor, plan: DispatchPlan, tokens: int) -> torch.Tensor:
+        """Collective: the reverse exchange (see :meth:`combine`)."""
+        return self.combine(yp, plan, tokens)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", ep_size={self.ep_size}, local_experts="
