@@ -137,8 +137,11 @@ class MXTensor:
         nd = self.data.dim()
         dim0, dim1 = dim0 % nd, dim1 % nd
         axis = {dim0: dim1, dim1: dim0}.get(self.axis, self.axis)
+        block = self.block
+        if block == (BLOCK, BLOCK) and dim0 != dim1 and {dim0, dim1} != {nd - 2, nd - 1}:
+            block = (1, BLOCK)  # the 32x32 tiles no longer lie on the last two dims: plain 1x32 from here on
         return MXTensor(self.data.transpose(dim0, dim1), self.scale.transpose(dim0, dim1), axis,
-                        self.scale_rule, self.block)
+                        self.scale_rule, block)
 
     @property
     def mT(self) -> "MXTensor":
@@ -199,7 +202,9 @@ def quantize(
 
     Args:
         x: floating tensor (float32, bfloat16, float16 or float64), any shape with ``x.shape[axis]``
-            divisible by 32. Need not be contiguous.
+            divisible by 32. Need not be contiguous. Quantization works on FP32 values: float64 input
+            is first rounded to float32 (as torch's own float8 casts do), so magnitudes beyond
+            FP32's range become Inf and their blocks NaN.
         axis: the quantized (contraction) axis; ``-1`` is rowwise, ``0`` of a 2D tensor columnwise.
         scale_rule: ``"rceil"`` (default) or ``"floor"``; see :class:`ScaleRule`.
         block: ``32`` / ``(1, 32)`` for standard 1x32 blocks, or ``(32, 32)`` for one scale per

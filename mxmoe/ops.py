@@ -260,7 +260,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     Args:
         x: ``[M, K]`` float activations, rows grouped by expert (group ends in ``offs``).
         w: ``[E, N, K]`` float expert weights.
-        offs: int32 ``[E]`` cumulative end rows; rows past ``offs[-1]`` give unspecified output.
+        offs: int32 ``[E]`` cumulative end rows; under MXFP8 recipes with MX wgrad every group must
+            end on a multiple of 32 rows (wgrad's 32-token blocks must not mix experts). With
+            ``validate``, rows past ``offs[-1]`` give zero output and zero gradient; without it they
+            are the caller's business (mxmoe.MoE ends the last group at M).
         recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_bf16_wgrad"``, ``"fp32"``)
             or a :class:`~mxmoe.recipes.Recipe`.
         validate: check shapes and offsets (synchronizes with the GPU once).
@@ -270,8 +273,12 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     Returns:
         ``[M, N]`` in ``x.dtype``.
     Raises:
-        ValueError: shape mismatch, K or N not divisible by 32 under MXFP8, bad offsets.
+        ValueError: shape mismatch, K or N not divisible by 32 under MXFP8, bad offsets, MX-wgrad
+            groups not on 32-row boundaries.
         TypeError: non-float inputs.
+
+    Under ``mxfp8_bf16_wgrad`` dW comes from BF16 ``torch._grouped_mm``, which writes BF16: it is
+    rounded to BF16 as in the ``bf16`` recipe.
     """
     recipe = get_recipe(recipe)
     if validate:
@@ -284,8 +291,20 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         if recipe.mxfp8 and (w.shape[1] % BLOCK or w.shape[2] % BLOCK):
             raise ValueError(f"MXFP8 needs N and K divisible by {BLOCK}, got w of shape {tuple(w.shape)}")
         check_offsets(offs, w.shape[0], x.shape[0])
+        if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % BLOCK != 0).any()):
+            raise ValueError(
+                f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {BLOCK}: every "
+                f"expert group must end on a multiple of {BLOCK} rows (pad the groups, as mxmoe.MoE does), "
+                f"got offs {offs.tolist()}")
         if x_mx is not None and (x_mx.shape != x.shape or x_mx.axis != 1 or x_mx.block != (1, BLOCK)):
             raise ValueError(f"x_mx must be x quantized along K with 1x32 blocks; got {x_mx!r} for x {tuple(x.shape)}")
+        if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd
+            return x.new_zeros(0, w.shape[1]) + (x.sum() + w.sum()).to(x.dtype) * 0
+        end = int(offs[-1]) if offs.numel() else 0
+        if end < x.shape[0]:  # rows outside every group: zero in, zero out, zero gradient (no garbage)
+            keep = (torch.arange(x.shape[0], device=x.device) < end).unsqueeze(1)
+            x = torch.where(keep, x, 0)
+            return torch.where(keep, grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx), 0)
     if recipe.mxfp8:
         return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx)
     dt = getattr(torch, recipe.compute_dtype)

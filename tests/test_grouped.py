@@ -101,13 +101,47 @@ def test_grouped_linear_three_gemms_are_the_quantized_products(recipe):
     assert bool((w.grad[1] == 0).all())  # empty expert: zero gradient
 
 
-def test_grouped_linear_unaligned_groups_still_exact_math():
-    sizes = [5, 40, 0, 19]  # column blocks straddle groups: still the product of dequantized operands
+def test_unaligned_groups_refused_under_mx_wgrad_allowed_elsewhere():
+    sizes = [5, 40, 0, 19]  # 32-token wgrad blocks would mix experts
     M, K, N = sum(sizes), 32, 64
-    x = torch.randn(M, K, requires_grad=True)
-    w = torch.randn(4, N, K, requires_grad=True)
-    grouped_linear(x, w, offsets(sizes), "mxfp8").sum().backward()
-    assert torch.isfinite(w.grad).all() and rel(w.grad[3], torch.ones(N, 19).double() @ x[-19:].detach().double()) < 0.1
+    x, w = torch.randn(M, K), torch.randn(4, N, K)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        grouped_linear(x, w, offsets(sizes), "mxfp8")
+    for recipe in ("mxfp8_bf16_wgrad", "fp32", "bf16"):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        grouped_linear(xr, wr, offsets(sizes), recipe).sum().backward()
+        assert torch.isfinite(wr.grad).all() and bool((wr.grad[2] == 0).all())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp32", "mxfp8"])
+def test_rows_past_the_last_group_give_zero_output_and_gradient(recipe):
+    M, K, N = 96, 64, 32
+    x = torch.randn(M, K)
+    x[64:] = float("nan")  # rows outside every group must not leak into anything
+    x.requires_grad_()
+    w = torch.randn(2, N, K, requires_grad=True)
+    y = grouped_linear(x, w, offsets([32, 32]), recipe)  # rows 64..95 belong to no expert
+    (y[:64].square().sum() + y[64:].sum()).backward()
+    assert bool((y[64:] == 0).all()) and bool((x.grad[64:] == 0).all())
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_zero_rows():
+    x = torch.zeros(0, 64, requires_grad=True)
+    w = torch.randn(2, 32, 64, requires_grad=True)
+    for recipe in ("bf16", "fp32", "mxfp8"):
+        y = grouped_linear(x, w, offsets([0, 0]), recipe)
+        y.sum().backward()
+        assert y.shape == (0, 32) and bool((w.grad == 0).all())
+
+
+def test_transposing_a_32x32_tensor_off_its_tile_dims_drops_the_tile_label():
+    q = mxmoe.quantize(torch.randn(4, 64, 32), block=(32, 32))
+    assert q.mT.block == (32, 32)  # tiles still on the last two dims
+    t = q.transpose(0, 1)
+    assert t.block == (1, 32)
+    with pytest.raises(ValueError, match="32x32"):
+        t.requantize_free_swap()
 
 
 @pytest.mark.parametrize("call,exc,msg", [

@@ -141,10 +141,8 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted
     ops = _ops()
     if backend == "bf16":
         a16, b16 = ops.dequantize_bf16(a_data, a_scale), ops.dequantize_bf16(b_data, b_scale)
-        try:
-            return torch._grouped_mm(a16, b16.mT, offs, out_dtype=out_dtype)
-        except RuntimeError:  # builds whose grouped BF16 GEMM only writes BF16
-            return torch._grouped_mm(a16, b16.mT, offs).to(out_dtype)
+        out = torch._grouped_mm(a16, b16.mT, offs)  # writes its input dtype: BF16
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     dt = str(out_dtype).removeprefix("torch.")
     if b.dim() == 3:
         return ops.sm90_m_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, wb)
