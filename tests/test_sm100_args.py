@@ -45,3 +45,12 @@ def test_2d2d_wgrad_args_block_each_token_group():
     first = from_blocked(sa[: blocked_numel(N, 2)], N, 2)  # group 0: tokens 0..63 -> 2 scale columns
     assert torch.equal(first, dy.scale.mT[:, :2].view(torch.uint8))
     assert sa.numel() == blocked_numel(N, 2) + blocked_numel(N, 1)
+
+
+def test_2d2d_refuses_token_groups_off_32():
+    import pytest
+
+    dy = mxmoe.quantize(torch.randn(64, 48), axis=0)
+    x = mxmoe.quantize(torch.randn(64, 40), axis=0)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        sm100_scaled_grouped_mm_args(dy.mT, x, torch.tensor([20, 64], dtype=torch.int32), torch.float32)

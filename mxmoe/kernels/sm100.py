@@ -20,6 +20,8 @@ from mxmoe.layouts import COL_TILE, _ceil, to_blocked, to_blocked_grouped
 
 def _groups_along_cols(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Blocked layout of ``scale [R, T/32]`` cut into column groups (token groups of 32-multiples)."""
+    if any(e % 32 for e in offs.tolist()):
+        raise ValueError(f"K-grouped MX products need token groups ending on multiples of 32, got {offs.tolist()}")
     ends = [e // 32 for e in offs.tolist()]
     parts, start = [], 0
     for end in ends:
