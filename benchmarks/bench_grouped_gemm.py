@@ -122,6 +122,15 @@ def k_grouped_rel_err(out, a, sa, b, sb, counts, gen, n_sample=64):
     return math.sqrt(num / den)
 
 
+def check_and_time(fn, rel_err, quick: bool) -> tuple[float, float]:
+    """Run ``fn`` once, compare with the FP64 reference (``rel_err(out)``), then time it: (rel_err, ms)."""
+    out = fn()
+    torch.cuda.synchronize()
+    err = rel_err(out)
+    del out
+    return err, bench(fn, quick)
+
+
 def run_case(shape, proj, balance, quick, gen):
     E, M, hidden, ffn = SHAPES[shape]
     N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
@@ -150,11 +159,8 @@ def run_case(shape, proj, balance, quick, gen):
             row = dict(base, **{"pass": pas, "weights": "1x32" if wb == 1 else "32x32"})
             try:
                 fn = lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=CONFIG)  # noqa: E731
-                out = fn()
-                torch.cuda.synchronize()
-                row["rel_err"] = m_grouped_rel_err(out, a, sa, b, sb, counts, gen)
-                del out
-                ms = bench(fn, quick)
+                err = lambda out: m_grouped_rel_err(out, a, sa, b, sb, counts, gen)  # noqa: E731
+                row["rel_err"], ms = check_and_time(fn, err, quick)
                 row.update(ms=ms, tflops=tfl(ms), bf16_tflops=tfl(ms_bf16), fp8_rowwise_tflops=tfl(ms_fp8))
                 row["vs_bf16"] = row["tflops"] / row["bf16_tflops"]
                 if pas == "fprop" and balance == "balanced":
@@ -167,11 +173,8 @@ def run_case(shape, proj, balance, quick, gen):
                     row["grouped_over_dense"] = ms_d / ms
                 # the other Hopper route: exact expansion to BF16, then BF16 torch._grouped_mm
                 fx = lambda: torch._grouped_mm(dequantize_bf16(a, sa), dequantize_bf16(b, sb).mT, offs=offs)  # noqa: E731
-                out = fx()
-                torch.cuda.synchronize()
-                row["bf16x_rel_err"] = m_grouped_rel_err(out, a, sa, b, sb, counts, gen)
-                del out
-                row["bf16x_tflops"] = tfl(bench(fx, quick))
+                row["bf16x_rel_err"], ms_x = check_and_time(fx, err, quick)
+                row["bf16x_tflops"] = tfl(ms_x)
                 row["bf16x_vs_bf16"] = row["bf16x_tflops"] / row["bf16_tflops"]
                 row["pass_ok"] = bool(row["rel_err"] <= 4e-3)
             except Exception as exc:  # keep going: one failing case must not hide the others
@@ -199,19 +202,13 @@ def run_case(shape, proj, balance, quick, gen):
             ms_fp8 = float("nan")
             row["fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
         fn = lambda: sm90_mxfp8_k_grouped_gemm(a, sa, b, sb, offs, check_offsets=False, config=CONFIG)  # noqa: E731
-        out = fn()
-        torch.cuda.synchronize()
-        row["rel_err"] = k_grouped_rel_err(out, a, sa, b, sb, counts, gen)
-        del out
-        ms = bench(fn, quick)
+        err = lambda out: k_grouped_rel_err(out, a, sa, b, sb, counts, gen)  # noqa: E731
+        row["rel_err"], ms = check_and_time(fn, err, quick)
         row.update(ms=ms, tflops=tfl(ms), bf16_tflops=tfl(ms_bf16), fp8_rowwise_tflops=tfl(ms_fp8))
         row["vs_bf16"] = row["tflops"] / row["bf16_tflops"]
         fx = lambda: torch._grouped_mm(dequantize_bf16(a, sa), dequantize_bf16(b, sb).mT, offs=offs)  # noqa: E731
-        out = fx()
-        torch.cuda.synchronize()
-        row["bf16x_rel_err"] = k_grouped_rel_err(out, a, sa, b, sb, counts, gen)
-        del out
-        row["bf16x_tflops"] = tfl(bench(fx, quick))
+        row["bf16x_rel_err"], ms_x = check_and_time(fx, err, quick)
+        row["bf16x_tflops"] = tfl(ms_x)
         row["bf16x_vs_bf16"] = row["bf16x_tflops"] / row["bf16_tflops"]
         row["pass_ok"] = bool(row["rel_err"] <= 1e-3)
     except Exception as exc:
