@@ -177,19 +177,22 @@ def _quantize_blocks(xb: torch.Tensor, amax: torch.Tensor, rule: ScaleRule) -> t
     """xb: [..., n] float32 elements; amax: [...] or broadcastable float32 block maxima (NaN/Inf marks bad)."""
     byte = scale_byte_from_amax(amax, rule)
     bad = byte == E8M0_NAN
-    # x * 2^(127 - byte) is exact in float64; where it matters for E4M3 it is exact in float32 too.
-    mult = torch.exp2((E8M0_BIAS - byte).to(torch.float64))
-    q = (xb.to(torch.float64) * mult.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float32)
+    # x * 2^(127 - byte) as two normal FP32 powers of two (2^-127 alone is subnormal): the first
+    # product is exact, and the second is exact wherever the result can be a nonzero E4M3 value.
+    e = (E8M0_BIAS - byte).unsqueeze(-1)
+    e1 = e >> 1
+    s1 = ((e1 + E8M0_BIAS) << 23).view(torch.float32)
+    s2 = ((e - e1 + E8M0_BIAS) << 23).view(torch.float32)
+    q = ((xb * s1) * s2).clamp(-E4M3_MAX, E4M3_MAX)
     data = q.to(torch.float8_e4m3fn).view(torch.uint8)
     data = torch.where(bad.unsqueeze(-1), torch.full_like(data, E4M3_NAN), data)
     return data.view(torch.float8_e4m3fn), byte.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _block_amax(xf: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim; NaN if the block holds a NaN or an Inf."""
-    amax = xf.abs().amax(dim=-1)
-    nonfinite = ~torch.isfinite(xf).all(dim=-1)
-    return torch.where(nonfinite, torch.full_like(amax, float("nan")), amax)
+    """max |x| over the last dim: NaN or Inf when the block holds one (amax propagates both), and
+    both carry exponent field 0xFF, which :func:`scale_byte_from_amax` turns into the NaN scale."""
+    return xf.abs().amax(dim=-1)
 
 
 def quantize(
