@@ -84,8 +84,10 @@ def kernel_breakdown(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     cats = {"gemm": 0.0, "quantize": 0.0, "other": 0.0}
+    kernels = []
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        kernels.append((t, ev.key[:120]))
         name = ev.key.lower()
         if "quant" in name:
             cats["quantize"] += t
@@ -94,7 +96,9 @@ def kernel_breakdown(fn) -> dict:
         else:
             cats["other"] += t
     total = sum(cats.values()) or 1.0
-    return {k: v / total for k, v in cats.items()}
+    shares = {k: v / total for k, v in cats.items()}
+    shares["top_kernels"] = [(name, round(t / total, 4)) for t, name in sorted(kernels, reverse=True)[:15]]
+    return shares
 
 
 def run_case(name, recipe, skew, tokens, iters, dev):
@@ -126,8 +130,9 @@ def run_case(name, recipe, skew, tokens, iters, dev):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     shares = kernel_breakdown(step)
+    top = shares.pop("top_kernels")
     return {"ms": ms, "peak_mem_gib": peak / 2**30, "saved_for_bwd_gib": held / 2**30,
-            "quant_share": shares["quantize"], "breakdown": shares}
+            "quant_share": shares["quantize"], "breakdown": shares, "top_kernels": top}
 
 
 def main():
@@ -158,7 +163,8 @@ def main():
                 row = {"shape": name, "balance": bal, "recipe": r, "tokens": args.tokens, **v,
                        "bf16_ms": res.get("bf16", {}).get("ms"), "loop_ms": res.get("loop", {}).get("ms"),
                        "bf16_peak_mem_gib": res.get("bf16", {}).get("peak_mem_gib"),
-                       "bf16_saved_for_bwd_gib": res.get("bf16", {}).get("saved_for_bwd_gib")}
+                       "bf16_saved_for_bwd_gib": res.get("bf16", {}).get("saved_for_bwd_gib"),
+                       "bf16_top_kernels": res.get("bf16", {}).get("top_kernels")}
                 row["speedup_vs_bf16"] = row["bf16_ms"] / v["ms"] if row["bf16_ms"] else None
                 row["speedup_vs_loop"] = row["loop_ms"] / v["ms"] if row["loop_ms"] else None
                 rows.append(row)
