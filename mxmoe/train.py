@@ -107,7 +107,7 @@ PRESETS = {
     "default": {},
     # ~110M parameters (SwiGLU experts: 3 * dim * ffn_dim each), ~22M active per token
     "gpu": dict(dim=512, layers=8, heads=8, experts=16, top_k=2, ffn_dim=512, seq_len=512, batch_size=32,
-                steps=2000, lr=1e-3, warmup=100, eval_every=200, eval_batches=20),
+                steps=3000, lr=1e-3, warmup=100, eval_every=250, eval_batches=20),
 }
 
 

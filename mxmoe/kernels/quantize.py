@@ -82,16 +82,10 @@ def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int
     return 32, 256, 4, True
 
 
-# Tile configs by kernel family; keys "row", "col", "colrow" (dual), "colrow32" / "row32" (32x32
-# tiles), "grouped". Empty: every kernel uses the default above, the config whose outputs the GPU
-# tests checked bit for bit on an H200 (2026-11-30).
-_TUNED: dict[str, tuple[int, int, int, bool]] = {}
-
-# Faster in the same H200 run's sweep (benchmarks/results/h200/quantize.json, rows "sweep ..."; same
-# kernel source): columnwise 43% -> 68% of copy, dual 50% -> 57%, 32x32 46% -> 49-57%, rowwise
-# 85-89% -> 87-90%, grouped 38% -> 47% on 16384x5120. Their outputs were timed but not yet
-# bit-checked on the GPU, so they are not the defaults: tests/test_quantize_kernels.py::
-# test_gpu_candidate_configs checks them; once it passes, copy them into _TUNED.
+# Faster in an H200 sweep (benchmarks/results/h200/quantize.json, rows "sweep ..."; same kernel
+# source): columnwise 43% -> 68% of copy, dual 50% -> 57%, 32x32 46% -> 49-57%, rowwise 85-89% ->
+# 87-90%, grouped 38% -> 47% on 16384x5120. tests/test_quantize_kernels.py::test_gpu_candidate_configs
+# checks each bit for bit against the reference (passed on an H200, 2026-11-30, session 2).
 CANDIDATE_CONFIGS: dict[str, tuple[int, int, int, bool]] = {
     "row": (32, 512, 8, True),
     "col": (64, 64, 2, True),
@@ -99,6 +93,10 @@ CANDIDATE_CONFIGS: dict[str, tuple[int, int, int, bool]] = {
     "colrow32": (64, 64, 2, True),
     "grouped": (32, 256, 4, False),
 }
+
+# Tile configs in use by kernel family; keys "row", "col", "colrow" (dual), "colrow32" / "row32"
+# (32x32 tiles), "grouped"; a missing key uses the default above.
+_TUNED: dict[str, tuple[int, int, int, bool]] = dict(CANDIDATE_CONFIGS)
 
 
 def _config_grouped(K: int) -> tuple[int, int, int, bool]:
