@@ -203,29 +203,68 @@ def quantize_weight_both(w: torch.Tensor, recipe: Recipe) -> tuple[MXTensor, MXT
     return wq, wq.requantize_free_swap()
 
 
+def _expansion(x: torch.Tensor, w: torch.Tensor, recipe: Recipe):
+    """The dispatch module where the layer's products take the Hopper expansion route, else None.
+
+    On that route every MX operand is multiplied as its BF16 value (exact), so the quantize-
+    dequantize (QDQ) kernels write those values straight from the source, one read, where
+    quantize + expand would write FP8 and read it back; FP8 is written only for what is kept for
+    backward.
+    """
+    if not x.is_cuda:
+        return None
+    from mxmoe.kernels import dispatch
+
+    return dispatch if dispatch.expansion_route(recipe.weight_block, x, w) else None
+
+
+def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """MX grouped product of two MXTensors (any route), or on the expansion route of operands of
+    which at least one is already its BF16 value: the other is expanded, and the product is
+    computed exactly as :func:`mxmoe.kernels.dispatch.mx_grouped_mm_cuda` does on that route."""
+    if _is_mx(a) and _is_mx(b):
+        return grouped_mm(a, b, offs, out_dtype=out_dtype, _validate=False)
+    from mxmoe.kernels import dispatch
+
+    return dispatch.bf16_grouped_mm(dispatch.expand_bf16(a), dispatch.expand_bf16(b), offs, out_dtype)
+
+
 class _MXGroupedLinear(torch.autograd.Function):
-    """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights."""
+    """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights
+    (or, for 1x32 weights off the expansion route, the parameter itself, requantized along N).
+
+    On the Hopper expansion route (:func:`_expansion`) operands are BF16 MX values from the QDQ
+    kernels, bit-identical to expanding the quantized operands; what is saved stays FP8.
+    """
 
     @staticmethod
     def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None):
         rule = recipe.scale_rule
+        exp = _expansion(x, w, recipe)
         x_saved = None
         if x_mx is not None:
             xq = x_mx
         elif recipe.wgrad_mxfp8 and x.shape[0] % BLOCK == 0:  # fprop (along K) + wgrad (along tokens) operands
-            xq, x_saved = quantize_dual(x.detach(), rule)
+            xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule)
         else:
-            xq = quantize(x, axis=-1, scale_rule=rule)
-        if recipe.weight_block == BLOCK:  # one quantization serves fprop and dgrad
+            xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, axis=-1, scale_rule=rule)
+        if exp is not None:
+            # Weights along K as BF16 values (fprop) + FP8 along N kept for dgrad (for 32x32 tiles the
+            # same values; the transposed copy keeps dgrad's operand layout). Bytes per weight element
+            # (estimate; fp32 parameters): saving FP8 moves 1 (extra write) + 1 + 2 (expansion in
+            # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
+            # ~1 B per weight element held until backward.
+            wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=recipe.weight_block == BLOCK)
+        elif recipe.weight_block == BLOCK:  # one quantization serves fprop and dgrad
             wq, w_dgrad = quantize_weight_both(w, recipe)
         else:
             wq, w_dgrad = quantize_weight(w, recipe, axis=-1), None  # [E, N, K] along K
-        y = grouped_mm(xq, wq.mT, offs, out_dtype=x.dtype, _validate=False)
+        y = _product(xq, wq.mT, offs, x.dtype)
         # backward operands, quantized now so FP8 (not BF16) is what is kept
         if x_saved is None:
             x_saved = (quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule) if recipe.wgrad_mxfp8
                        else x.detach().to(torch.bfloat16))  # along tokens
-        ctx.recipe, ctx.x_saved, ctx.w_dgrad = recipe, x_saved, w_dgrad
+        ctx.recipe, ctx.x_saved, ctx.w_dgrad, ctx.expansion = recipe, x_saved, w_dgrad, exp is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
         ctx.save_for_backward(offs, w if w_dgrad is None else None)
         return y
@@ -234,15 +273,26 @@ class _MXGroupedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         recipe, rule = ctx.recipe, ctx.recipe.scale_rule
         offs, w = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = None
-        if ctx.needs_input_grad[0]:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
-            dyq = quantize(dy, axis=-1, scale_rule=rule)
+        dyq = dyq_t = None  # dy along N (dgrad), along tokens as [N, M] (wgrad)
+        if ctx.expansion:
+            from mxmoe.kernels import dispatch
+
+            if need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
+                dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
+            elif need_dx:
+                dyq = dispatch.qdq_rowwise(dy, rule)
+        if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
+            if dyq is None:
+                dyq = quantize(dy, axis=-1, scale_rule=rule)
             wq_n = ctx.w_dgrad if ctx.w_dgrad is not None else quantize_weight(w, recipe, axis=-2)
-            dx = grouped_mm(dyq, wq_n, offs, out_dtype=ctx.x_dtype, _validate=False)
-        if ctx.needs_input_grad[1]:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
+            dx = _product(dyq, wq_n, offs, ctx.x_dtype)
+        if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
             if recipe.wgrad_mxfp8:
-                dyq_t = quantize(_pad_rows(dy, BLOCK), axis=0, scale_rule=rule).mT  # [N, M] along tokens
-                dw = grouped_mm(dyq_t, ctx.x_saved, offs, out_dtype=torch.float32, _validate=False)
+                if dyq_t is None:
+                    dyq_t = quantize(_pad_rows(dy, BLOCK), axis=0, scale_rule=rule).mT  # [N, M] along tokens
+                dw = _product(dyq_t, ctx.x_saved, offs, torch.float32)
             else:
                 dw = grouped_mm(dy.to(torch.bfloat16).t(), ctx.x_saved, offs, _validate=False)
             dw = dw.to(ctx.w_dtype)

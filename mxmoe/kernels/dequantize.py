@@ -8,6 +8,11 @@ elements below 2^-126 keep BF16's subnormal precision, and a NaN scale gives NaN
 
 ``dequantize_bf16(data, scale)``: ``data [..., R, C]`` E4M3 with C contiguous (the contraction
 dim) and ``scale [..., R, C/32]`` E8M0 row-major -> BF16 ``[..., R, C]`` contiguous.
+
+:func:`mx_expand_bf16` (a ``triton.jit`` function) is the one definition of the expansion; the
+fused quantize-dequantize kernels of :mod:`mxmoe.kernels.quantize_triton` call it too, so their
+BF16 output equals ``dequantize_bf16(quantize(x))`` bit for bit. Importing this module works
+without triton (the jit function is then absent).
 """
 
 from __future__ import annotations
@@ -16,14 +21,27 @@ import torch
 
 from mxmoe.formats import BLOCK
 
-
-def _kernel():
+try:
     import triton
     import triton.language as tl
+except ImportError:  # pragma: no cover - triton is optional
+    triton = None
 
-    global _dequant_kernel
-    if "_dequant_kernel" in globals():
-        return _dequant_kernel
+if triton is not None:
+
+    @triton.jit
+    def mx_expand_bf16(q, sb):
+        """BF16 of ``q * 2^(sb - 127)``: q FP32 E4M3 values, sb int32 scale bytes (broadcast to q).
+
+        2^(b-127) is applied as two normal FP32 powers of two (2^-127 itself is subnormal): the
+        first product is exact, the second rounds once, as the FP32 reference does; b = 255 is NaN.
+        """
+        e = sb - 127
+        e1 = e >> 1
+        s1 = ((e1 + 127) << 23).to(tl.float32, bitcast=True)
+        s2 = ((e - e1 + 127) << 23).to(tl.float32, bitcast=True)
+        s2 = tl.where(sb == 255, float("nan"), s2)
+        return ((q * s1) * s2).to(tl.bfloat16)
 
     @triton.jit
     def mx_dequant_bf16_kernel(data_ptr, scale_ptr, out_ptr, R, C, SC, BR: tl.constexpr, BC: tl.constexpr):
@@ -35,18 +53,14 @@ def _kernel():
         scols = pid_c * (BC // 32) + tl.arange(0, BC // 32)  # one scale per 32 elements, broadcast below
         smask = (rows[:, None] < R) & (scols[None, :] < SC)
         sb = tl.load(scale_ptr + rows[:, None] * SC + scols[None, :], mask=smask, other=127).to(tl.int32)
-        # 2^(b-127) applied as two normal FP32 powers of two (2^-127 itself is subnormal): the
-        # first product is exact, the second rounds once, as the FP32 reference does; b = 255 is NaN
-        e = sb - 127
-        e1 = e >> 1
-        s1 = ((e1 + 127) << 23).to(tl.float32, bitcast=True)
-        s2 = ((e - e1 + 127) << 23).to(tl.float32, bitcast=True)
-        s2 = tl.where(sb == 255, float("nan"), s2)
-        v = (tl.reshape(q, (BR, BC // 32, 32)) * s1[:, :, None]) * s2[:, :, None]
-        tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.reshape(v, (BR, BC)).to(tl.bfloat16), mask=mask)
+        v = mx_expand_bf16(tl.reshape(q, (BR, BC // 32, 32)), sb[:, :, None])
+        tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.reshape(v, (BR, BC)), mask=mask)
 
-    _dequant_kernel = mx_dequant_bf16_kernel
-    return _dequant_kernel
+
+def _kernel():
+    if triton is None:
+        raise RuntimeError("mxmoe.kernels.dequantize needs triton (pip install 'mxmoe[gpu]')")
+    return mx_dequant_bf16_kernel
 
 
 def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -133,17 +133,66 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted
         return None
     from mxmoe.formats import BLOCK
 
-    bt = b.mT  # [E, N, K] or [K, T]: contraction last
     wb = BLOCK if b.block == (BLOCK, BLOCK) else 1
-    backend = sm90_gemm_backend(wb)
+    if sm90_gemm_backend(wb) == "bf16":
+        return bf16_grouped_mm(expand_bf16(a), expand_bf16(b), offs, out_dtype)
     a_data, a_scale = _kmajor(a)
-    b_data, b_scale = _kmajor(bt)
+    b_data, b_scale = _kmajor(b.mT)  # [E, N, K] or [K, T]: contraction last
     ops = _ops()
-    if backend == "bf16":
-        a16, b16 = ops.dequantize_bf16(a_data, a_scale), ops.dequantize_bf16(b_data, b_scale)
-        out = torch._grouped_mm(a16, b16.mT, offs)  # writes its input dtype: BF16
-        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     dt = str(out_dtype).removeprefix("torch.")
     if b.dim() == 3:
         return ops.sm90_m_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, wb)
     return ops.sm90_k_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, not trusted)
+
+
+# --------------------------------------------------------------------------------------------
+# Hopper expansion route: BF16 MX values straight from the quantize-dequantize (QDQ) kernels
+# --------------------------------------------------------------------------------------------
+def expansion_route(weight_block: int, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the MX products of an expert linear layer (x ``[M, K]``, w ``[E, N, K]``) run on
+    the Hopper expansion route (``sm90_gemm_backend(weight_block) == "bf16"``) with the QDQ
+    kernels covering both inputs (CUDA bf16/fp16/fp32, triton present)."""
+    if not (x.is_cuda and x.dtype in _QUANT_DTYPES and w.dtype in _QUANT_DTYPES and _triton_ok()):
+        return False
+    return _capability(x.device.index or 0) == (9, 0) and sm90_gemm_backend(weight_block) == "bf16"
+
+
+def qdq_rowwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
+    """BF16 MX values of ``x [.., M, K]`` along K: ``expand_bf16(quantize(x, -1))`` from one read."""
+    return _ops().qdq_rowwise(x, scale_rule)
+
+
+def qdq_dual(x: torch.Tensor, scale_rule: str, tile32: bool = False):
+    """``x [.., M, K]`` (``M % 32 == K % 32 == 0``) -> (BF16 MX values along K, the MXTensor along M).
+
+    The second is :func:`quantize_dual_cuda`'s columnwise half (1x32) or :func:`quantize_weight_both_cuda`'s
+    along-N half (``tile32``), the FP8 copy kept for a later product along M.
+    """
+    from mxmoe.formats import BLOCK
+    from mxmoe.kernels import quantize as q
+
+    x16, data_t, scale_t = _ops().qdq_dual(x, scale_rule, tile32)
+    return x16, q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK) if tile32 else (1, BLOCK))
+
+
+def qdq_dual_bf16(x: torch.Tensor, scale_rule: str):
+    """``x [M, N]`` -> (BF16 MX values along N ``[M, N]``, along M ``[N, M]``) from one read (dy: dgrad, wgrad)."""
+    return _ops().qdq_dual_bf16(x, scale_rule)
+
+
+def expand_bf16(t):
+    """The BF16 operand of the expansion route for an MXTensor quantized along one of its last two
+    dims, in its logical shape (a transposed view when quantized along dim -2); plain tensors pass."""
+    from mxmoe.formats import MXTensor
+
+    if not isinstance(t, MXTensor):
+        return t
+    if t.axis == t.dim() - 1:
+        return _ops().dequantize_bf16(*_kmajor(t))
+    return _ops().dequantize_bf16(*_kmajor(t.mT)).mT
+
+
+def bf16_grouped_mm(a16: torch.Tensor, b16: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._grouped_mm`` of BF16 operands; it writes BF16, cast to ``out_dtype`` afterwards."""
+    out = torch._grouped_mm(a16, b16, offs)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)

@@ -407,3 +407,93 @@ def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule:
     the result's ``.contiguous()`` data and scale equal ``formats.quantize(x, axis=-2)``.
     """
     return MXTensor(data_t, scale_t, data_t.dim() - 1, ScaleRule(scale_rule).value, block).mT
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantize-dequantize (QDQ): BF16 MX values from one read, for the Hopper expansion route
+# ----------------------------------------------------------------------------------------------
+
+def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col_fp8: bool, tile32: bool,
+                name: str) -> tuple:
+    """Run mx_qdq_kernel; outputs in the order bf16 rowwise, bf16 columnwise, (data_t, scale_t)."""
+    rceil = _rule(scale_rule)
+    col = col_bf16 or col_fp8
+    x3, was_2d = _check(x, name, need_k32=True, need_m32=col or tile32)
+    B, M, K = x3.shape
+    dev = x.device
+    br = torch.empty(B, M, K, dtype=torch.bfloat16, device=dev) if row_bf16 else None
+    bc = torch.empty(B, K, M, dtype=torch.bfloat16, device=dev) if col_bf16 else None
+    qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev) if col_fp8 else None
+    sc = torch.empty(B, K, M // BLOCK, dtype=torch.uint8, device=dev) if col_fp8 else None
+    if x3.numel() > 0:
+        # same reductions and stores as the quantize kernel of the same orientations: its tiles
+        BM, BK, num_warps, persistent = _config_2d(M, K, row_bf16, col, tile32, x.element_size())
+        total = triton_cdiv(M, BM) * triton_cdiv(K, BK) * B
+        dummy = next(t for t in (br, bc, qc) if t is not None)
+        args = (x3, br if row_bf16 else dummy, bc if col_bf16 else dummy, qc if col_fp8 else dummy,
+                sc if col_fp8 else dummy, M, K, B, x3.stride(0), x3.stride(1), x3.stride(2), rceil)
+        kwargs = dict(ROW_BF16=row_bf16, COL_BF16=col_bf16, COL_FP8=col_fp8, TILE32=tile32, BM=BM, BK=BK,
+                      SOFT_CVT=_interpreting(), num_warps=num_warps)
+        kernel = _kernels().mx_qdq_kernel
+        grid = (_persistent_grid(kernel, args, kwargs, total, dev) if persistent else total,)
+        kernel[grid](*args, **kwargs)
+
+    def finish(t, dtype=None):
+        t = t[0] if was_2d else t
+        return t.view(dtype) if dtype is not None else t
+
+    out = []
+    if row_bf16:
+        out.append(finish(br))
+    if col_bf16:
+        out.append(finish(bc))
+    if col_fp8:
+        out += [finish(qc, torch.float8_e4m3fn), finish(sc, torch.float8_e8m0fnu)]
+    return tuple(out)
+
+
+def qdq_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil") -> torch.Tensor:
+    """BF16 MX values of x along the last dim (the fprop operand of the expansion route).
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]`` bfloat16/float16/float32, CUDA, ``K % 32 == 0``; any strides.
+        scale_rule: ``"rceil"`` or ``"floor"``.
+    Returns:
+        contiguous ``bfloat16`` ``[.., M, K]`` equal bit for bit to
+        ``dequantize_bf16(*quantize_rowwise(x, scale_rule))``.
+    Raises:
+        TypeError / ValueError as :func:`quantize_rowwise`.
+    """
+    return _launch_qdq(x, scale_rule, True, False, False, False, "qdq_rowwise")[0]
+
+
+def qdq_dual(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", tile32: bool = False):
+    """BF16 MX values along K plus the columnwise FP8 copy, from one read (``M % 32 == K % 32 == 0``).
+
+    The FP8 copy is what is kept for a later product along M (activations: wgrad; weights: dgrad).
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]`` (e.g. weights ``[E, N, K]``), bfloat16/float16/float32, CUDA.
+        tile32: one scale per 32x32 tile (2D weight blocks) instead of 1x32 blocks.
+    Returns:
+        ``(x_bf16, data_t, scale_t)``: bfloat16 ``[.., M, K]`` as :func:`qdq_rowwise` (32x32: as
+        ``dequantize_bf16`` of :func:`quantize_32x32`'s ``(data, scale)``), and ``float8_e4m3fn``
+        ``[.., K, M]`` / ``float8_e8m0fnu`` ``[.., K, M/32]`` equal to :func:`quantize_columnwise`
+        (32x32: :func:`quantize_32x32`'s ``(data_t, scale_t)``).
+    Raises:
+        TypeError / ValueError as :func:`quantize_dual`.
+    """
+    return _launch_qdq(x, scale_rule, True, False, True, tile32, "qdq_dual")
+
+
+def qdq_dual_bf16(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
+    """BF16 MX values along K and along M (transposed), from one read (``M % 32 == K % 32 == 0``).
+
+    The output gradient dy ``[M, N]`` of an expert linear layer: along N for dgrad, along tokens
+    for wgrad.
+
+    Returns:
+        ``(x_bf16 [.., M, K], xt_bf16 [.., K, M])``: :func:`qdq_rowwise` of x, and
+        ``dequantize_bf16(*quantize_columnwise(x))``, both contiguous bfloat16.
+    """
+    return _launch_qdq(x, scale_rule, True, True, False, False, "qdq_dual_bf16")

@@ -10,6 +10,9 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``quantize_dual``           both of the above, from one read
 ``quantize_32x32``          (data, scale, data_t, scale_t), one scale per 32x32 tile
 ``dequantize_bf16``         (data ``[..., R, C]``, scale ``[..., R, C/32]``) -> bf16 ``[..., R, C]``
+``qdq_rowwise``             x ``[..., M, K]`` -> bf16 ``[..., M, K]``: MX values along K
+``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
+``qdq_dual_bf16``           x -> (bf16 ``[..., M, K]``, bf16 ``[..., K, M]``): along K and along M
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
 ==========================  =====================================================================
@@ -67,6 +70,32 @@ def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return deq(data, scale)
 
 
+@torch.library.custom_op("mxmoe::qdq_rowwise", mutates_args=())
+def qdq_rowwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
+    from mxmoe.kernels import quantize as q
+
+    return q.qdq_rowwise(x, scale_rule)
+
+
+@torch.library.custom_op("mxmoe::qdq_dual", mutates_args=())
+def qdq_dual(x: torch.Tensor, scale_rule: str, tile32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.qdq_dual(x, scale_rule, tile32))
+
+
+@torch.library.custom_op("mxmoe::qdq_dual_bf16", mutates_args=())
+def qdq_dual_bf16(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.qdq_dual_bf16(x, scale_rule))
+
+
+def _bf16(x, transposed=False):
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else x.shape
+    return x.new_empty(shape, dtype=torch.bfloat16)
+
+
 @torch.library.custom_op("mxmoe::sm90_m_grouped_gemm", mutates_args=())
 def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         offs: torch.Tensor, out_dtype: str, weight_block: int) -> torch.Tensor:
@@ -88,6 +117,9 @@ quantize_columnwise.register_fake(lambda x, scale_rule: _col(x))
 quantize_dual.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 quantize_32x32.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dtype=torch.bfloat16))
+qdq_rowwise.register_fake(lambda x, scale_rule: _bf16(x))
+qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))
+qdq_dual_bf16.register_fake(lambda x, scale_rule: (_bf16(x), _bf16(x, transposed=True)))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
     a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))
