@@ -93,3 +93,158 @@ def test_qdq_kernels_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_qdq_fake_shapes():
+    """Fake implementations of the QDQ custom ops (torch.compile / CUDA graphs trace them)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mxmoe.kernels import torch_ops  # noqa: F401
+
+    ops = torch.ops.mxmoe
+    with FakeTensorMode():
+        x = torch.empty(8, 64, 96, device="cuda", dtype=torch.float32)
+        y = ops.qdq_rowwise(x, "rceil")
+        assert (y.shape, y.dtype) == ((8, 64, 96), torch.bfloat16)
+        xb, dt, st = ops.qdq_dual(x, "floor", True)
+        assert (xb.shape, xb.dtype, dt.shape, dt.dtype, st.shape, st.dtype) == (
+            (8, 64, 96), torch.bfloat16, (8, 96, 64), torch.float8_e4m3fn, (8, 96, 2), torch.float8_e8m0fnu)
+        a, at = ops.qdq_dual_bf16(torch.empty(64, 96, device="cuda", dtype=torch.bfloat16), "rceil")
+        assert (a.shape, at.shape, at.dtype) == ((64, 96), (96, 64), torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the kernels on CUDA, and the expert linear layer on the expansion route
+# ------------------------------------------------------------------------------------------------
+def _gpu_inputs(shape, dtype, seed=0):
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_quantize_kernels import wide_randn, with_special_blocks
+
+    gen = torch.Generator().manual_seed(seed)
+    x = with_special_blocks(with_special_blocks(wide_randn(shape, dtype, "cpu", gen), -1), -2)
+    x.view(-1, shape[-1])[1, :32] = (torch.linspace(-1, 1, 32) * 2.0**-133).to(dtype)  # BF16-subnormal products
+    x.view(-1, shape[-1])[1, 7] = 2.0**-118
+    return x.cuda()
+
+
+def _same(got, want, what):
+    import torch
+
+    g, w = got.contiguous().view(torch.uint8).cpu(), want.contiguous().view(torch.uint8).cpu()
+    assert g.shape == w.shape and torch.equal(g, w), f"{what}: {int((g != w).sum())} bytes differ"
+
+
+def _same_bf16(got, want, what):  # equal values, NaN where NaN (payload bits may differ)
+    import torch
+
+    got, want = got.cpu(), want.cpu()
+    assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN positions"
+    _same(got.nan_to_num(), want.nan_to_num(), what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(96, 160), (3, 64, 96), (4096, 2048)])
+def test_gpu_qdq_kernels_bit_exact(shape, dtype, rule):
+    """Each QDQ output against quantize (CUDA kernels) then dequantize_bf16 on CUDA, and against the
+    CPU reference quantizer's FP32 values rounded to BF16 (subnormal products included)."""
+    import torch
+
+    from mxmoe import formats
+    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels.dequantize import dequantize_bf16
+
+    x = _gpu_inputs(shape, getattr(torch, dtype))
+    d, s, dt, st = Q.quantize_dual(x, rule)
+    row, col = dequantize_bf16(d, s), dequantize_bf16(dt, st)  # col: [.., K, M]
+    _same_bf16(Q.qdq_rowwise(x, rule), row, "rowwise")
+    _same_bf16(Q.qdq_rowwise(x[..., :-32], rule), dequantize_bf16(*Q.quantize_rowwise(x[..., :-32], rule)),
+               "rowwise, strided view")
+    xb, qt, qst = Q.qdq_dual(x, rule)
+    _same_bf16(xb, row, "dual bf16")
+    _same(qt, dt, "dual data_t")
+    _same(qst, st, "dual scale_t")
+    xb, xbt = Q.qdq_dual_bf16(x, rule)
+    _same_bf16(xb, row, "dual_bf16 row")
+    _same_bf16(xbt, col, "dual_bf16 col")
+    d2, s2, dt2, st2 = Q.quantize_32x32(x, rule)
+    xb, qt, qst = Q.qdq_dual(x, rule, tile32=True)
+    _same_bf16(xb, dequantize_bf16(d2, s2), "32x32 bf16")
+    _same(qt, dt2, "32x32 data_t")
+    _same(qst, st2, "32x32 scale_t")
+    ref = formats.quantize(x.cpu(), -1, rule).dequantize(torch.float32).to(torch.bfloat16)
+    _same_bf16(Q.qdq_rowwise(x, rule), ref, "rowwise vs CPU reference")
+
+
+def _layer_run(x, w, offs, recipe, x_mx=None):
+    import torch
+
+    from mxmoe.ops import grouped_linear
+
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    y = grouped_linear(x, w, offs, recipe, x_mx=x_mx)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y))
+    return [t.detach() for t in (y, x.grad, w.grad)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d", "mxfp8_bf16_wgrad"])
+@pytest.mark.parametrize("rows", [448, 430])  # 430: rows past the last group (a row count not a multiple of 32)
+def test_gpu_layer_qdq_route_equals_old_composition(recipe, rows, monkeypatch):
+    """grouped_linear on the expansion route with the QDQ kernels gives the same bits (y, dx, dW)
+    as quantize-then-expand (the same BF16 operands into the same torch._grouped_mm calls)."""
+    import torch
+
+    from mxmoe import ops
+
+    monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
+    sizes = [0, 96, 0, 160, 32, 128, 0]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(rows, 256, generator=g)).to(torch.bfloat16).cuda()
+    w = (torch.randn(len(sizes), 192, 256, generator=g) / 16).cuda()
+    assert ops._expansion(x, w, mxmoe_recipe(recipe)) is not None
+    new = _layer_run(x, w, offs, recipe)
+    monkeypatch.setattr(ops, "_expansion", lambda *a: None)
+    old = _layer_run(x, w, offs, recipe)
+    for a, b, what in zip(new, old, ("y", "dx", "dw")):
+        _same_bf16(a, b, f"{recipe} {what}")
+
+
+def mxmoe_recipe(name):
+    from mxmoe.recipes import get_recipe
+
+    return get_recipe(name)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_qdq_route_prequantized_input_and_reference(monkeypatch):
+    """x_mx given (expert-parallel dispatch), and the route against the CPU reference layer."""
+    import torch
+
+    import mxmoe
+    from mxmoe import ops
+
+    monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
+    sizes = [64, 0, 192]
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 128, generator=g)
+    w = torch.randn(3, 96, 128, generator=g) / 8
+    xq = mxmoe.quantize(x.cuda().to(torch.bfloat16))
+    x16 = xq.dequantize(torch.bfloat16)
+    new = _layer_run(x16, w.cuda(), offs.cuda(), "mxfp8", x_mx=xq)
+    monkeypatch.setattr(ops, "_expansion", lambda *a: None)
+    old = _layer_run(x16, w.cuda(), offs.cuda(), "mxfp8", x_mx=xq)
+    for a, b, what in zip(new, old, ("y", "dx", "dw")):
+        _same_bf16(a, b, f"x_mx {what}")
+    ref = _layer_run(x.to(torch.bfloat16), w, offs, "mxfp8")  # CPU reference path
+    gpu = _layer_run(x.to(torch.bfloat16).cuda(), w.cuda(), offs.cuda(), "mxfp8")
+    for a, b in zip(gpu, ref):
+        rel = ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
+        assert rel < 5e-2, rel  # BF16 product outputs on the GPU, FP32 on the CPU (see test_cuda_paths)
