@@ -35,14 +35,16 @@ from mxmoe.layouts import blocked_group_offsets, blocked_numel, to_blocked  # no
 ACTS = [(32768, 7168), (131072, 2048), (16384, 5120)]
 WEIGHTS = [(8, 28672, 4096), (128, 1536, 2048)]
 P, NP = True, False  # persistent (prefetching) launch / one program per tile
-SWEEP = {  # _TUNED key -> candidate (BM, BK, num_warps, persistent)
-    "row": [(32, 512, 8, P), (32, 256, 4, P), (32, 256, 4, NP)],
-    "col": [(32, 128, 1, P), (64, 64, 1, P), (32, 64, 1, P), (64, 64, 2, P)],
-    "colrow": [(32, 128, 1, P), (64, 64, 1, P), (32, 64, 1, P), (64, 64, 2, P)],
-    "colrow32": [(32, 128, 1, P), (64, 64, 1, P), (32, 64, 1, P), (64, 64, 2, P)],
-    "grouped": [(32, 256, 4, P), (32, 512, 8, P), (32, 256, 4, NP)],
+T = Q.TileConfig
+_STRIPS = [T(32, 128, 1, P, "strip", prefetch=False), T(32, 128, 1, P, "strip", prefetch=True),
+           T(32, 256, 1, P, "strip", prefetch=False)]
+SWEEP = {  # _TUNED key -> candidate TileConfigs ("tile": mx_quantize_kernel, "strip": one warp per 32 rows)
+    "row": [T(32, 512, 8, P), T(32, 256, 4, P), T(32, 256, 4, NP)],
+    "col": [T(64, 64, 2, P)] + _STRIPS,
+    "colrow": [T(64, 64, 2, P)] + _STRIPS,
+    "colrow32": [T(64, 64, 2, P)] + _STRIPS,
+    "grouped": [T(32, 256, 4, P), T(32, 512, 8, P), T(32, 256, 4, NP)],
 }
-
 
 DEV = "cuda"
 
@@ -160,8 +162,11 @@ SWEPT = ("rowwise", "columnwise", "dual", "grouped_8", "weight_rowwise_blocked",
 
 
 def cfg_name(cfg) -> str:
-    bm, bk, w, persistent = cfg
-    return f"{bm}x{bk}/w{w}/{'persistent' if persistent else 'grid'}"
+    cfg = Q.TileConfig(*cfg)
+    name = f"{cfg.BM}x{cfg.BK}/w{cfg.num_warps}/{'persistent' if cfg.persistent else 'grid'}"
+    if cfg.kernel == "strip":
+        name = "strip " + name + ("/prefetch" if cfg.prefetch else "")
+    return name
 
 
 def select_best(rows) -> dict:
@@ -170,15 +175,15 @@ def select_best(rows) -> dict:
     from collections import defaultdict
 
     ratios = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        if r["config"].startswith("sweep "):
-            ratios[r["key"]][r["config"][6:]].append(r["ratio"])
+    for r in rows:  # the default config is timed once, as "auto"
+        if r["kernel"] in SWEPT and r["config"].startswith(("sweep ", "auto ")):
+            ratios[r["key"]][r["config"].split(" ", 1)[1]].append(r["ratio"])
     best = {}
     for key, by_cfg in ratios.items():
         n = max(len(v) for v in by_cfg.values())
         score = {c: math.exp(sum(map(math.log, v)) / len(v)) for c, v in by_cfg.items() if len(v) == n}
         name = max(score, key=score.get)
-        best[key] = next(c for c in SWEEP[key] if cfg_name(c) == name)
+        best[key] = next(c for c in SWEEP.get(key, []) + [Q._TUNED.get(key) or _default_cfg(key)] if cfg_name(c) == name)
     return best
 
 
@@ -186,7 +191,7 @@ def _precompile_worker(jobs):
     """Compile kernels by launching them on tiny inputs (same specializations as the real shapes:
     every size a multiple of 16, unit inner stride); fills triton's on-disk cache."""
     for key, cfg in jobs:
-        Q._TUNED[key] = tuple(cfg)
+        Q._TUNED[key] = Q.TileConfig(*cfg)
         for is_weight in (False, True):
             x = wide_randn((2, 256, 512) if is_weight else (512, 512))
             for _, k, fn in cases(x, is_weight):
@@ -196,12 +201,13 @@ def _precompile_worker(jobs):
     return len(jobs)
 
 
-def precompile(workers: int = 8) -> None:
+def precompile(workers: int = 8, keys=None) -> None:
     """Compile every (kernel, config) of the run in parallel processes before timing anything."""
     import multiprocessing as mp
 
-    jobs = [(k, c) for k, cfgs in SWEEP.items() for c in cfgs]
-    jobs += [(k, None) for k in SWEEP]  # the default configs
+    keys = list(SWEEP) if keys is None else keys
+    jobs = [(k, c) for k in keys for c in SWEEP[k]]
+    jobs += [(k, None) for k in keys]  # the default configs
     jobs = [(k, c if c is not None else _default_cfg(k)) for k, c in jobs]
     chunks = [jobs[i::workers] for i in range(workers)]
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -222,6 +228,8 @@ def main():
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="first compile all kernels in N parallel processes (fresh machines)")
     ap.add_argument("--precompile-only", action="store_true", help="compile, then exit")
+    ap.add_argument("--kernels", default="",
+                    help="comma-separated kernel names to run (e.g. columnwise,dual,weight_32x32_both); default all")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks this script, times nothing)")
     args = ap.parse_args()
@@ -230,9 +238,14 @@ def main():
         DEV, ACTS, WEIGHTS = "cpu", [(256, 384)], [(2, 128, 256)]
     import triton
 
+    only = set(filter(None, args.kernels.split(",")))
     t_start = time.time()
     if args.precompile and DEV == "cuda":
-        precompile(args.precompile)
+        keys = None
+        if only:
+            keys = sorted({k for w in (False, True) for n, k, _ in cases(wide_randn((2, 256, 512) if w else (256, 512)), w)
+                           if n in only and k is not None})
+        precompile(args.precompile, keys)
         print(f"precompiled in {time.time() - t_start:.1f} s", flush=True)
         if args.precompile_only:
             return
@@ -244,7 +257,7 @@ def main():
         "dtype": "bfloat16",
         "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
         "bytes": "input read + data and scales written",
-        "tuned": {k: list(v) for k, v in Q._TUNED.items()},
+        "tuned": {k: cfg_name(v) for k, v in Q._TUNED.items()},
     }
     rows = []
     notes = []
@@ -261,11 +274,20 @@ def main():
         print(f"{kernel:24s} {row['shape']:>16s} {config:>14s} {ms * 1e3:9.1f} us {tb:6.3f} TB/s "
               f"copy {cp:6.3f}  {100 * tb / cp:5.1f}%", flush=True)
 
+    def write_json():
+        meta["notes"] = notes
+        meta["wall_s"] = round(time.time() - t_start, 1)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
     shapes = [(s, False) for s in ACTS] + [(s, True) for s in WEIGHTS]
     for shape, is_weight in shapes:
         x = wide_randn(shape)
         in_bytes = nbytes(x)
         for name, key, fn in cases(x, is_weight):
+            if only and name not in only:
+                continue
             out = fn()
             sync()
             check(name, x, out)
@@ -274,6 +296,8 @@ def main():
             if args.sweep and key is not None and name in SWEPT:
                 saved = Q._TUNED.get(key)
                 for cfg in SWEEP[key]:
+                    if cfg == (saved or _default_cfg(key)):
+                        continue  # timed below as "auto"
                     Q._TUNED[key] = cfg
                     try:
                         out = fn()
@@ -289,6 +313,7 @@ def main():
                     Q._TUNED[key] = saved
             cfg = Q._TUNED.get(key) or _default_cfg(key)
             record(name, shape, total, bench_ms(fn), config="auto " + cfg_name(cfg), key=key)
+        write_json()  # after every shape, so a run cut short keeps what it measured
         # peers
         if not args.no_reference:
             ref_fn = (lambda: quantize(x, axis=-1))
@@ -297,7 +322,7 @@ def main():
             del out
             sync()
             record("torch_reference_rowwise", shape, total, bench_ms(ref_fn))
-        if not is_weight:
+        if not is_weight and not only:
             fn, why = torchao_fn(x)
             if fn is None:
                 if why not in notes:
@@ -315,11 +340,7 @@ def main():
 
     best = select_best(rows) if args.sweep else {}
     meta["best_configs"] = {k: list(v) for k, v in best.items()}
-    meta["notes"] = notes
-    meta["wall_s"] = round(time.time() - t_start, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_json()
 
     print(f"\n{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}")
     for n in notes:
@@ -332,7 +353,7 @@ def main():
     if best:
         print("\nbest config per kernel family (geometric mean over the swept shapes):")
         for r in rows:
-            if r["key"] in best and r["config"] == "sweep " + cfg_name(best[r["key"]]):
+            if r["key"] in best and r["config"].split(" ", 1)[1] == cfg_name(best[r["key"]]):
                 print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} "
                       f"{100 * r['ratio']:6.1f}%  {r['config']}")
         print("_TUNED =", {k: tuple(v) for k, v in best.items()})

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxmoe.formats import MXTensor
-from mxmoe.ops import grouped_linear
+from mxmoe.ops import grouped_linear, swiglu
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -171,8 +171,8 @@ class MoE(nn.Module):
         """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same
         rows already in MXFP8 (fprop uses them, no second quantization)."""
         h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx)  # [M, 2F]
-        gate, up = h.split(self.ffn_dim, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.w2, offs, self.recipe, validate=False)  # [M, D]
+        a, a_wgrad = swiglu(h, self.recipe, self.w2)  # on CUDA's expansion route: fused with a's quantization
+        return grouped_linear(a, self.w2, offs, self.recipe, validate=False, x_wgrad=a_wgrad)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype."""

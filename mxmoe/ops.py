@@ -238,11 +238,14 @@ class _MXGroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None):
+    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None):
         rule = recipe.scale_rule
         exp = _expansion(x, w, recipe)
         x_saved = None
-        if x_mx is not None:
+        if x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
+            xq = x.detach() if exp else quantize(x, axis=-1, scale_rule=rule)  # requantizing MX values: lossless
+            x_saved = x_wgrad
+        elif x_mx is not None:
             xq = x_mx
         elif recipe.wgrad_mxfp8 and x.shape[0] % BLOCK == 0:  # fprop (along K) + wgrad (along tokens) operands
             xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule)
@@ -296,11 +299,12 @@ class _MXGroupedLinear(torch.autograd.Function):
             else:
                 dw = grouped_mm(dy.to(torch.bfloat16).t(), ctx.x_saved, offs, _validate=False)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
-                   validate: bool = True, x_mx: MXTensor | None = None) -> torch.Tensor:
+                   validate: bool = True, x_mx: MXTensor | None = None,
+                   x_wgrad: MXTensor | None = None) -> torch.Tensor:
     """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
 
     The three GEMMs (DESIGN §4): fprop contracts K (x and W quantized along K), dgrad contracts N
@@ -320,6 +324,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         x_mx: optional, ``x`` already quantized along K (e.g. tokens received in MXFP8 from an
             expert-parallel dispatch; ``x`` is then its dequantized value, the autograd handle):
             fprop uses it as is, with no second quantization.
+        x_wgrad: optional (MXFP8 recipes with MX wgrad): ``x`` is already its BF16 MX values along K
+            (exact, e.g. from :func:`swiglu`) and ``x_wgrad`` its FP8 copy along tokens
+            (``[M, K]``, axis 0, ``M % 32 == 0``): fprop uses ``x`` as is and wgrad ``x_wgrad``.
     Returns:
         ``[M, N]`` in ``x.dtype``.
     Raises:
@@ -348,15 +355,67 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
                 f"got offs {offs.tolist()}")
         if x_mx is not None and (x_mx.shape != x.shape or x_mx.axis != 1 or x_mx.block != (1, BLOCK)):
             raise ValueError(f"x_mx must be x quantized along K with 1x32 blocks; got {x_mx!r} for x {tuple(x.shape)}")
+        if x_wgrad is not None and (x_wgrad.shape != x.shape or x_wgrad.axis != 0 or x_mx is not None
+                                    or not (recipe.mxfp8 and recipe.wgrad_mxfp8)):
+            raise ValueError(f"x_wgrad must be x quantized along tokens, without x_mx, under an MXFP8 recipe with "
+                             f"MX wgrad; got {x_wgrad!r} for x {tuple(x.shape)} under {recipe.name}")
         if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd
             return x.new_zeros(0, w.shape[1]) + (x.sum() + w.sum()).to(x.dtype) * 0
         end = int(offs[-1]) if offs.numel() else 0
         if end < x.shape[0]:  # rows outside every group: zero in, zero out, zero gradient (no garbage)
             keep = (torch.arange(x.shape[0], device=x.device) < end).unsqueeze(1)
             x = torch.where(keep, x, 0)
-            return torch.where(keep, grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx), 0)
+            return torch.where(keep, grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx,
+                                                    x_wgrad=x_wgrad), 0)
     if recipe.mxfp8:
-        return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx)
+        return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx, x_wgrad)
     dt = getattr(torch, recipe.compute_dtype)
     y = grouped_mm(x.to(dt), w.to(dt).mT, offs, _validate=False)
     return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# SwiGLU between the expert products
+# --------------------------------------------------------------------------------------------
+class _SwiGLUQDQ(torch.autograd.Function):
+    """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual QDQ (forward, one read of
+    h, a never written); backward: the torch SwiGLU gradient (the ops autograd runs for
+    ``F.silu(gate) * up``, so the same bits), from h alone (silu recomputed, not saved)."""
+
+    @staticmethod
+    def forward(ctx, h, scale_rule: str):
+        from mxmoe.kernels import dispatch
+
+        a16, a_t = dispatch.swiglu_qdq(h, scale_rule)
+        ctx.save_for_backward(h)
+        ctx.mark_non_differentiable(a_t.data, a_t.scale)
+        return a16, a_t.data, a_t.scale
+
+    @staticmethod
+    def backward(ctx, da, *_):
+        (h,) = ctx.saved_tensors
+        gate, up = h.split(h.shape[1] // 2, dim=-1)
+        dgate = torch.ops.aten.silu_backward(da * up, gate)
+        return torch.cat([dgate, da * torch.nn.functional.silu(gate)], dim=-1), None
+
+
+def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None):
+    """SwiGLU of ``h [M, 2F]`` (gate ``h[:, :F]``, up ``h[:, F:]``) feeding the expert product with ``w_next``.
+
+    Returns ``(a, a_wgrad)``. Where that product takes the Hopper expansion route (CUDA, bf16 h,
+    an MXFP8 recipe with MX wgrad, ``M % 32 == F % 32 == 0``) one fused kernel returns ``a`` as its
+    BF16 MX values along F (``qdq_rowwise(F.silu(gate) * up)`` bit for bit) and ``a_wgrad`` its FP8
+    copy along tokens: pass both to :func:`grouped_linear` (``x_wgrad=a_wgrad``). Elsewhere
+    ``(F.silu(gate) * up, None)``. Gradients flow to h either way.
+    """
+    recipe = get_recipe(recipe)
+    f = h.shape[-1] // 2
+    if (w_next is not None and h.is_cuda and h.dtype == torch.bfloat16 and h.dim() == 2 and recipe.mxfp8
+            and recipe.wgrad_mxfp8 and h.shape[0] % BLOCK == 0 and f % BLOCK == 0
+            and _expansion(h, w_next, recipe) is not None):
+        from mxmoe.kernels.quantize import columnwise_mxtensor
+
+        a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule)
+        return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
+    gate, up = h.split(f, dim=-1)
+    return torch.nn.functional.silu(gate) * up, None

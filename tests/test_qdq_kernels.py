@@ -76,6 +76,28 @@ for dtype in (torch.bfloat16, torch.float32, torch.float16):
             same(dt, c2.data.mT, f"32x32 data_t {dtype} {rule}")
             same(st, c2.scale.mT, f"32x32 scale_t {dtype} {rule}")
             n += 1
+# SwiGLU fused with the dual QDQ of its output, and its autograd backward
+import torch.nn.functional as F
+from mxmoe import ops
+for M, f in ((96, 160), (64, 256)):
+    h = (wide_randn((M, 2 * f), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
+    h[3, 5] = float("nan"); h[4, f + 40] = float("inf"); h[5, :32] = 0; h[6, f:f + 32] = 1e-39
+    gate, up = h.split(f, -1)
+    a = F.silu(gate) * up
+    for rule in ("rceil", "floor"):
+        a16, dt, st = Q.swiglu_qdq(h, rule)
+        c = formats.quantize(a, 0, rule)
+        same(a16, expand(formats.quantize(a, -1, rule)), f"swiglu bf16 {rule}")
+        same(dt, c.data.mT, f"swiglu data_t {rule}")
+        same(st, c.scale.mT, f"swiglu scale_t {rule}")
+    h = h.nan_to_num(0.0, 0.0, 0.0).requires_grad_()
+    da = torch.randn(M, f, generator=gen).to(torch.bfloat16)
+    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil")
+    (dh,) = torch.autograd.grad(a16, h, da)
+    gate, up = h.split(f, -1)
+    (want,) = torch.autograd.grad(F.silu(gate) * up, h, da)
+    same(dh, want, "swiglu backward")
+    n += 1
 # against MXTensor.dequantize where the FP32 products are normal (the interpreter's FP32 -> BF16
 # conversion of FP32 subnormals differs from the GPU's; the GPU tests cover them)
 x = inputs((64, 96), torch.float32, True)

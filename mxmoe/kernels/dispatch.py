@@ -180,6 +180,14 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: str):
     return _ops().qdq_dual_bf16(x, scale_rule)
 
 
+def swiglu_qdq(h: torch.Tensor, scale_rule: str):
+    """``h [M, 2F]`` bf16 -> (BF16 MX values of ``a = silu(gate) * up`` along F, a's MXTensor along M)."""
+    from mxmoe.kernels import quantize as q
+
+    a16, data_t, scale_t = _ops().swiglu_qdq(h, scale_rule)
+    return a16, q.columnwise_mxtensor(data_t, scale_t, scale_rule)
+
+
 def expand_bf16(t):
     """The BF16 operand of the expansion route for an MXTensor quantized along one of its last two
     dims, in its logical shape (a transposed view when quantized along dim -2); plain tensors pass."""

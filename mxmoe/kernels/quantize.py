@@ -37,6 +37,7 @@ Wrap results as :class:`~mxmoe.formats.MXTensor` with :func:`rowwise_mxtensor` /
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -64,47 +65,70 @@ def _interpreting() -> bool:
 # Tile heuristics (kept out of the kernel bodies)
 # ----------------------------------------------------------------------------------------------
 
-def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int) -> tuple[int, int, int, bool]:
-    """(BM, BK, num_warps, persistent) for mx_quantize_kernel.
+class TileConfig(NamedTuple):
+    """How a 2D quantization kernel is launched.
 
-    A [BM, BK] tile is 16-32 KB of BF16 input: 16-byte loads along K, BM a multiple of 32 rows.
-    Persistent launches (as many programs as fit, each prefetching its next tile) keep loads in
-    flight while a program reduces, converts and stores; kernels with a columnwise output have a
-    long dependent chain per tile (cross-warp reductions, the transpose through shared memory)
-    and need that most. Values from benchmarks/bench_quantize.py --sweep on an H200.
+    kernel "tile": ``mx_quantize_kernel``, [BM, BK] tiles of num_warps warps, always prefetching
+    the next tile. kernel "strip": ``mx_quantize_strip_kernel``, one warp per [32, BK] strip
+    (BM = 32, num_warps = 1), so the 32-row maximum of a columnwise block stays inside a thread;
+    prefetch picks whether it loads the next strip before processing the current one.
+    persistent: as many programs as fit on the GPU, each looping over tiles (else one per tile).
     """
-    if _interpreting():  # few large programs: the interpreter's cost is per program
-        return 128, 256, 4, True
+    BM: int
+    BK: int
+    num_warps: int
+    persistent: bool
+    kernel: str = "tile"
+    prefetch: bool = True
+
+
+def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int) -> TileConfig:
+    """Launch config of the 2D kernels, by family (``_TUNED`` key, default below).
+
+    "tile" kernels: a [BM, BK] tile is 16-32 KB of BF16 input (16-byte loads along K, BM a multiple
+    of 32 rows); persistent launches keep loads in flight while a program reduces, converts and
+    stores. Columnwise outputs use "strip" kernels: one warp per 32 rows, which keeps the 32-row
+    block maximum inside each thread (no cross-warp reduction, no CTA barrier; see
+    benchmarks/NOTES_quantize.md for the SASS). Values from benchmarks/bench_quantize.py on an H200.
+    """
     key = ("col" if col else "") + ("row" if row else "") + ("32" if tile32 else "")
-    cfg = _TUNED.get(key)
-    if cfg is not None:
-        return cfg
-    return 32, 256, 4, True
+    cfg = _TUNED.get(key) or TileConfig(32, 256, 4, True)
+    if _interpreting():  # few large programs: the interpreter's cost is per program
+        return cfg._replace(BK=128) if cfg.kernel == "strip" else TileConfig(128, 256, 4, True)
+    return cfg
 
 
 # Faster in an H200 sweep (benchmarks/results/h200/quantize.json, rows "sweep ..."; same kernel
 # source): columnwise 43% -> 68% of copy, dual 50% -> 57%, 32x32 46% -> 49-57%, rowwise 85-89% ->
 # 87-90%, grouped 38% -> 47% on 16384x5120. tests/test_quantize_kernels.py::test_gpu_candidate_configs
 # checks each bit for bit against the reference (passed on an H200, 2026-11-30, session 2).
-CANDIDATE_CONFIGS: dict[str, tuple[int, int, int, bool]] = {
-    "row": (32, 512, 8, True),
-    "col": (64, 64, 2, True),
-    "colrow": (64, 64, 2, True),
-    "colrow32": (64, 64, 2, True),
-    "grouped": (32, 256, 4, False),
+CANDIDATE_CONFIGS: dict[str, TileConfig] = {
+    "row": TileConfig(32, 512, 8, True),
+    "col": TileConfig(64, 64, 2, True),
+    "colrow": TileConfig(64, 64, 2, True),
+    "colrow32": TileConfig(64, 64, 2, True),
+    "grouped": TileConfig(32, 256, 4, False),
+}
+
+# One-warp strip kernels for the families with a columnwise output (BK=128: 128 elements per
+# thread, 192-229 registers without spills; BK=256 spills). Bit-exact under the interpreter; the
+# GPU tests (test_gpu_strip_configs) and benchmarks/run_h200_quant.sh check them on the H200.
+STRIP_CONFIGS: dict[str, TileConfig] = {
+    "col": TileConfig(32, 128, 1, True, "strip", prefetch=True),
+    "colrow": TileConfig(32, 128, 1, True, "strip", prefetch=False),
+    "colrow32": TileConfig(32, 128, 1, True, "strip", prefetch=False),
 }
 
 # Tile configs in use by kernel family; keys "row", "col", "colrow" (dual), "colrow32" / "row32"
 # (32x32 tiles), "grouped"; a missing key uses the default above.
-_TUNED: dict[str, tuple[int, int, int, bool]] = dict(CANDIDATE_CONFIGS)
+_TUNED: dict[str, TileConfig] = {**CANDIDATE_CONFIGS, **STRIP_CONFIGS}
 
 
-def _config_grouped(K: int) -> tuple[int, int, int, bool]:
-    """(BM, BK, num_warps, persistent) for mx_quantize_grouped_kernel (BM must divide 128)."""
+def _config_grouped(K: int) -> TileConfig:
+    """Launch config of mx_quantize_grouped_kernel ("tile" kind; BM must divide 128)."""
     if _interpreting():
-        return 128, 256, 4, True
-    cfg = _TUNED.get("grouped")
-    return cfg if cfg is not None else (32, 256, 4, True)
+        return TileConfig(128, 256, 4, True)
+    return _TUNED.get("grouped") or TileConfig(32, 256, 4, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,19 +201,26 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev)
         sc = _alloc_scales(B, K // BLOCK if compact else K, M // BLOCK, layout, dev)
     if x3.numel() > 0 and B > 0:
-        BM, BK, num_warps, persistent = _config_2d(M, K, row, col, tile32, x.element_size())
+        cfg = _config_2d(M, K, row, col, tile32, x.element_size())
+        strip = cfg.kernel == "strip"
+        BM = 32 if strip else cfg.BM
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
+        total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, cfg.BK) * B
         dummy = qr if qr is not None else qc
         args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
                 M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
                 sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
-        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout,
-                      BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
-        kernel = _kernels().mx_quantize_kernel
-        grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if persistent else total,)
+        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BK=cfg.BK,
+                      SOFT_CVT=_interpreting())
+        if strip:
+            kernel = _kernels().mx_quantize_strip_kernel
+            kwargs.update(PREFETCH=cfg.prefetch, num_warps=1)
+        else:
+            kernel = _kernels().mx_quantize_kernel
+            kwargs.update(BM=BM, num_warps=cfg.num_warps)
+        grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if cfg.persistent else total,)
         kernel[grid](*args, **kwargs)
     out = []
     if row:
@@ -344,7 +375,7 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
     scale = torch.empty(padded_rows * triton_cdiv(cols, 4) * 4, dtype=torch.uint8, device=x.device)
     n_tiles = max(triton_cdiv(M, 128) + E, padded_rows // 128)
     if n_tiles > 0 and K > 0:
-        BM, BK, num_warps, persistent = _config_grouped(K)
+        BM, BK, num_warps, persistent = _config_grouped(K)[:4]
         n_row_tiles = n_tiles * (128 // BM)
         total = n_row_tiles * triton_cdiv(triton_cdiv(K, 128) * 128, BK)
         EP = max(16, 1 << max(E - 1, 0).bit_length())
@@ -413,6 +444,15 @@ def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule:
 # Quantize-dequantize (QDQ): BF16 MX values from one read, for the Hopper expansion route
 # ----------------------------------------------------------------------------------------------
 
+def _config_qdq(col: bool) -> tuple[int, int, int, bool]:
+    """(BM, BK, num_warps, persistent) of the QDQ kernels (tile kernels, mx_quantize_kernel's
+    structure): the H200-swept tiles of the quantize tile kernel of the same orientations
+    (rowwise "row", with a columnwise output "colrow"); not swept for QDQ itself yet."""
+    if _interpreting():
+        return 128, 256, 4, True
+    return (64, 64, 2, True) if col else (32, 512, 8, True)
+
+
 def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col_fp8: bool, tile32: bool,
                 name: str) -> tuple:
     """Run mx_qdq_kernel; outputs in the order bf16 rowwise, bf16 columnwise, (data_t, scale_t)."""
@@ -426,8 +466,7 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
     qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev) if col_fp8 else None
     sc = torch.empty(B, K, M // BLOCK, dtype=torch.uint8, device=dev) if col_fp8 else None
     if x3.numel() > 0:
-        # same reductions and stores as the quantize kernel of the same orientations: its tiles
-        BM, BK, num_warps, persistent = _config_2d(M, K, row_bf16, col, tile32, x.element_size())
+        BM, BK, num_warps, persistent = _config_qdq(col)
         total = triton_cdiv(M, BM) * triton_cdiv(K, BK) * B
         dummy = next(t for t in (br, bc, qc) if t is not None)
         args = (x3, br if row_bf16 else dummy, bc if col_bf16 else dummy, qc if col_fp8 else dummy,
@@ -497,3 +536,35 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
         ``dequantize_bf16(*quantize_columnwise(x))``, both contiguous bfloat16.
     """
     return _launch_qdq(x, scale_rule, True, True, False, False, "qdq_dual_bf16")
+
+
+def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
+    """SwiGLU of ``h [M, 2F]`` (gate ``h[:, :F]``, up ``h[:, F:]``) fused with the dual QDQ of its
+    result ``a = F.silu(gate) * up`` (BF16 math as torch's), from one read of h; a is not written.
+
+    Args:
+        h: bfloat16 ``[M, 2F]``, CUDA, ``M % 32 == F % 32 == 0``; any strides.
+    Returns:
+        ``(a_bf16 [M, F], data_t [F, M], scale_t [F, M/32])``: :func:`qdq_dual` of a.
+    Raises:
+        TypeError: h not bfloat16. ValueError: bad shape, CPU tensor.
+    """
+    if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16:
+        raise TypeError(f"swiglu_qdq expects a bfloat16 tensor, got {getattr(h, 'dtype', type(h).__name__)}")
+    if h.dim() != 2 or h.shape[1] % (2 * BLOCK):
+        raise ValueError(f"swiglu_qdq expects h [M, 2F] with F % 32 == 0, got shape {tuple(h.shape)}")
+    _check(h, "swiglu_qdq", need_k32=True, need_m32=True)
+    M, F = h.shape[0], h.shape[1] // 2
+    dev = h.device
+    a16 = torch.empty(M, F, dtype=torch.bfloat16, device=dev)
+    qc = torch.empty(F, M, dtype=torch.uint8, device=dev)
+    sc = torch.empty(F, M // BLOCK, dtype=torch.uint8, device=dev)
+    if M and F:
+        BM, BK, num_warps, persistent = _config_qdq(True)
+        total = triton_cdiv(M, BM) * triton_cdiv(F, BK)
+        args = (h, a16, qc, sc, M, F, h.stride(0), h.stride(1), _rule(scale_rule))
+        kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        kernel = _kernels().mx_swiglu_qdq_kernel
+        grid = (_persistent_grid(kernel, args, kwargs, total, dev) if persistent else total,)
+        kernel[grid](*args, **kwargs)
+    return a16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)

@@ -144,7 +144,8 @@ def _load_tile(x_ptr, t, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk,
     b, tm, tk = _tile_coords(t, n_m, n_k)
     m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
     k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
-    mask = (m < M) & (k < K) & (t < total)
+    live = tl.full([BM, 1], t, tl.int32) < total  # a tensor, not a scalar term: t >= total loads nothing
+    mask = (m < M) & (k < K) & live
     ptrs = x_ptr + b.to(tl.int64) * stride_xb + m.to(tl.int64) * stride_xm + k.to(tl.int64) * stride_xk
     return tl.load(ptrs, mask=mask, other=0.0)
 
@@ -249,6 +250,121 @@ def mx_quantize_kernel(
 
 
 @triton.jit
+def _abs_max_bits(bits, axis: tl.constexpr):
+    """FP32 bits of max |x| over ``axis`` of the FP32 bits ``bits``, without masking each element.
+
+    The signed max is the largest non-negative value (or, if every value is negative, the one of
+    largest magnitude: a negative float's signed bits grow with its magnitude); the unsigned max is
+    the negative value of largest magnitude (or the largest value if none is negative). With the
+    sign cleared, the larger of the two is ``max(bits & 0x7FFFFFFF)``: two max chains per element
+    (3-input VIMNMX3 on sm_90) instead of an AND plus one chain, same result for NaN/Inf/-0.
+    """
+    smax = tl.max(bits, axis=axis)
+    umax = tl.max(bits.to(tl.uint32, bitcast=True), axis=axis).to(tl.int32, bitcast=True)
+    return tl.maximum(smax & 0x7FFFFFFF, umax & 0x7FFFFFFF)
+
+
+@triton.jit
+def _quantize_strip(
+    x_raw, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
+    ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
+    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    """Quantize and store one loaded [32, BK] strip (see mx_quantize_strip_kernel)."""
+    b, tm, tk = _tile_coords(t, n_m, n_k)
+    b64 = b.to(tl.int64)
+    NB: tl.constexpr = BK // 32
+    m = tm * 32 + tl.arange(0, 32)[:, None]  # [32, 1]
+    k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    kk = tk * BK + tl.arange(0, BK)  # [BK]: one 32-row block per column
+    in_bounds = (m < M) & (k < K)
+    plane = b64 * M * K  # offset of batch b in the [B, M, K] / [B, K, M] data outputs
+    x = _to_f32(x_raw)  # [32, BK]
+    bits = x.to(tl.int32, bitcast=True)
+    if ROW and not TILE32:  # |x| bits serve both block shapes
+        abs_bits = bits & 0x7FFFFFFF
+        amax_c = tl.max(abs_bits, axis=0)  # [BK]: a column's 32 rows sit in one thread or a few lanes
+    else:
+        amax_c = _abs_max_bits(bits, 0)
+    if TILE32:  # one max per 32x32 tile: the column maxima of its 32 columns
+        tile = tl.max(tl.reshape(amax_c, (NB, 32)), axis=1)  # [NB]
+        amax_c = tl.reshape(tl.maximum(tl.reshape(amax_c, (NB, 32)), tile[:, None]), (BK,))
+        tile_byte = _e8m0_from_amax_bits(tile, rceil)  # [NB]
+        tile_c = tk * NB + tl.arange(0, NB)  # [NB] block column
+    if COL or TILE32:
+        byte_c = _e8m0_from_amax_bits(amax_c, rceil)  # [BK]
+        d_c = _quantize_elems(x, byte_c[None, :], SOFT_CVT)  # [32, BK]
+    if ROW:
+        if TILE32:  # the 32x32 data: the same bytes in both orientations
+            tl.store(qr_ptr + plane + m.to(tl.int64) * K + k, d_c, mask=in_bounds)
+            if ROW_LAYOUT == 2:  # compact: one value per tile, [K/32, ceil4(M/32)]
+                _store_scales(sr_ptr + b64 * sr_stride_b, tm, tile_c, tile_byte, M // 32, K // 32, 0, 2)
+            else:
+                byte_r = tl.broadcast_to(tile_byte[None, :], (32, NB))
+                _store_scales(sr_ptr + b64 * sr_stride_b, m, tk * NB + tl.arange(0, NB)[None, :], byte_r,
+                              M, K // 32, (K // 32 + 3) // 4, ROW_LAYOUT)
+        else:  # 1x32 blocks along K: 4 lanes of 8 columns each share a block (warp shuffles)
+            x3 = tl.reshape(x, (32, NB, 32))
+            byte_r = _e8m0_from_amax_bits(tl.max(tl.reshape(abs_bits, (32, NB, 32)), axis=2), rceil)
+            d_r = tl.reshape(_quantize_elems(x3, byte_r[:, :, None], SOFT_CVT), (32, BK))
+            tl.store(qr_ptr + plane + m.to(tl.int64) * K + k, d_r, mask=in_bounds)
+            _store_scales(sr_ptr + b64 * sr_stride_b, m, tk * NB + tl.arange(0, NB)[None, :], byte_r,
+                          M, K // 32, (K // 32 + 3) // 4, ROW_LAYOUT)
+    if COL:
+        tl.store(qc_ptr + plane + k.to(tl.int64) * M + m, d_c, mask=in_bounds)
+        if TILE32 and COL_LAYOUT == 2:  # compact: [M/32, ceil4(K/32)]
+            _store_scales(sc_ptr + b64 * sc_stride_b, tile_c, tm, tile_byte, K // 32, M // 32, 0, 2)
+        else:
+            _store_scales(sc_ptr + b64 * sc_stride_b, kk, tm, byte_c, K, M // 32, (M // 32 + 3) // 4, COL_LAYOUT)
+
+
+@triton.jit(do_not_specialize=["rceil"])
+def mx_quantize_strip_kernel(
+    x_ptr, qr_ptr, sr_ptr, qc_ptr, sc_ptr,
+    M, K, B, M_cover, K_cover,
+    stride_xb, stride_xm, stride_xk,
+    sr_stride_b, sc_stride_b,
+    rceil,
+    ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
+    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
+    BK: tl.constexpr, PREFETCH: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    """MXFP8 with a columnwise output (COL, ROW+COL, TILE32), one warp per [32, BK] strip.
+
+    Same arguments and outputs as mx_quantize_kernel (launch it with num_warps=1). The strip is
+    one 32-row block high, and with one warp triton's load layout gives every thread all 32 rows
+    of its 8 (BK=256) or 4 columns: the 32-row maximum is a chain of max instructions inside the
+    thread (no shared memory, no barrier), the rowwise 1x32 maximum (ROW) is 2-3 warp shuffles,
+    and the transposed byte store goes through shared memory inside the warp only::
+
+              K ->  BK columns, lane L holds columns [L*BK/32, (L+1)*BK/32)
+        M  +------------------------------------+
+        |  | 32 rows  | lane 0 | lane 1 | ...   |   column block (32x1): max over the thread's rows
+        v  +------------------------------------+   row block (1x32): max over BK/32... lanes
+
+    Persistent: program p takes strips p, p + P, ...; PREFETCH loads the next strip before the
+    current one is processed (twice the registers; the alternative is more resident warps).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_m = tl.cdiv(M_cover, 32)
+    n_k = tl.cdiv(K_cover, BK)
+    total = n_m * n_k * B
+    x = _load_tile(x_ptr, pid, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, 32, BK)
+    t = pid
+    while t < total:
+        if PREFETCH:
+            x_next = _load_tile(x_ptr, t + nprog, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, 32, BK)
+        _quantize_strip(x, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
+                        ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BK, SOFT_CVT)
+        if PREFETCH:
+            x = x_next
+        else:
+            x = _load_tile(x_ptr, t + nprog, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, 32, BK)
+        t += nprog
+
+
+@triton.jit
 def _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M):
     """Input rows behind padded scale row p: (first row, end row, p lies inside a group).
 
@@ -272,7 +388,8 @@ def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, n_gr
     row0, row_end, in_group = _group_rows(tr * BM, pad_end, tiles, gmask, offs_ptr, n_groups, M)
     m = row0 + tl.arange(0, BM)[:, None]
     k = tk * BK + tl.arange(0, BK)[None, :]
-    mask = (m < row_end) & (m < M) & (k < K) & (t < total)
+    live = tl.full([BM, 1], t, tl.int32) < total
+    mask = (m < row_end) & (m < M) & (k < K) & live
     return tl.load(x_ptr + m.to(tl.int64) * stride_xm + k.to(tl.int64) * stride_xk, mask=mask, other=0.0)
 
 
@@ -426,4 +543,64 @@ def mx_qdq_kernel(
         _qdq_tile(x, t, n_m, n_k, br_ptr, bc_ptr, qc_ptr, sc_ptr, M, K, rceil,
                   ROW_BF16, COL_BF16, COL_FP8, TILE32, BM, BK, SOFT_CVT)
         x = x_next
+        t += nprog
+
+
+# ----------------------------------------------------------------------------------------------
+# SwiGLU fused with the dual QDQ of its output (the down-projection's input on the expansion route)
+# ----------------------------------------------------------------------------------------------
+from triton.language.extra import libdevice  # noqa: E402
+
+
+@triton.jit
+def _to_bf16(x, SOFT: tl.constexpr):
+    """FP32 -> BF16, round to nearest even. SOFT: on the integer bits (the interpreter's numpy
+    conversion truncates); NaN stays a quiet NaN."""
+    if SOFT:
+        b = x.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _silu_mul_bf16(gate_raw, up_raw, SOFT: tl.constexpr):
+    """BF16 ``silu(gate) * up`` for BF16 gate/up, as torch computes ``F.silu(gate) * up``: silu in
+    FP32 as ``g / (1 + exp(-g))`` (CUDA expf, IEEE division) rounded to BF16, then the FP32 product
+    (exact for two BF16 values) rounded to BF16. SOFT (interpreter): numpy's exp and division."""
+    g = _to_f32(gate_raw)
+    if SOFT:
+        s = g / (1.0 + tl.exp(-g))
+    else:
+        s = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
+    return _to_bf16(_to_f32(_to_bf16(s, SOFT)) * _to_f32(up_raw), SOFT)
+
+
+@triton.jit(do_not_specialize=["rceil"])
+def mx_swiglu_qdq_kernel(
+    h_ptr, br_ptr, qc_ptr, sc_ptr, M, F, stride_hm, stride_hk, rceil,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    """h [M, 2F] bf16 (gate = h[:, :F], up = h[:, F:]) -> a = silu(gate) * up as BF16 MX values
+    along F, br [M, F], plus a's FP8 copy along M, qc [F, M] + sc [F, M/32] (mx_qdq_kernel's
+    ROW_BF16 + COL_FP8 outputs of a); a itself is never written. Persistent, one-tile prefetch."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_m = tl.cdiv(M, BM)
+    n_k = tl.cdiv(F, BK)
+    total = n_m * n_k
+    up_ptr = h_ptr + F * stride_hk
+    gate = _load_tile(h_ptr, pid, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
+    up = _load_tile(up_ptr, pid, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
+    t = pid
+    while t < total:
+        gate_next = _load_tile(h_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
+        up_next = _load_tile(up_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
+        a = _silu_mul_bf16(gate, up, SOFT_CVT)
+        _qdq_tile(a, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, F, rceil,
+                  True, False, True, False, BM, BK, SOFT_CVT)
+        gate = gate_next
+        up = up_next
         t += nprog

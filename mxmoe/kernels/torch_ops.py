@@ -13,6 +13,7 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``qdq_rowwise``             x ``[..., M, K]`` -> bf16 ``[..., M, K]``: MX values along K
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
 ``qdq_dual_bf16``           x -> (bf16 ``[..., M, K]``, bf16 ``[..., K, M]``): along K and along M
+``swiglu_qdq``              h ``[M, 2F]`` bf16 -> ``qdq_dual`` of ``silu(h[:, :F]) * h[:, F:]``
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
 ==========================  =====================================================================
@@ -91,6 +92,13 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch
     return tuple(q.qdq_dual_bf16(x, scale_rule))
 
 
+@torch.library.custom_op("mxmoe::swiglu_qdq", mutates_args=())
+def swiglu_qdq(h: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.swiglu_qdq(h, scale_rule))
+
+
 def _bf16(x, transposed=False):
     shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else x.shape
     return x.new_empty(shape, dtype=torch.bfloat16)
@@ -120,6 +128,7 @@ dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dty
 qdq_rowwise.register_fake(lambda x, scale_rule: _bf16(x))
 qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))
 qdq_dual_bf16.register_fake(lambda x, scale_rule: (_bf16(x), _bf16(x, transposed=True)))
+swiglu_qdq.register_fake(lambda h, scale_rule: (_bf16(h[:, : h.shape[1] // 2]), *_col(h[:, : h.shape[1] // 2])))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
     a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))
