@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# One device call: the main job at the GPU preset (issue 7), both recipes, one H200.
-# Usage: OUT=/some/dir bash benchmarks/run_h200_train_gpu.sh -> metrics.json, loss.png, log in $OUT.
+# One device call: the main job at the GPU preset (issue 7), both recipes, two seeds, one H200.
+# Usage: OUT=/some/dir bash benchmarks/run_h200_train_gpu.sh -> train_gpu_seed{0,1}.json/.png, log.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"
+OUT=${OUT:-out/h200}; mkdir -p "$OUT"; LOG=$OUT/train_gpu_log.txt
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >"$OUT/train_gpu_log.txt" 2>&1
-s=$SECONDS
-timeout 560 python3 -m mxmoe train --preset gpu --device cuda --out /tmp/train_gpu 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" >>"$OUT/train_gpu_log.txt"
-echo "total wall $((SECONDS - s)) s" >>"$OUT/train_gpu_log.txt"
-cp /tmp/train_gpu/metrics.json "$OUT/train_gpu.json"; cp /tmp/train_gpu/loss.png "$OUT/train_gpu_loss.png"
-tail -c 4000 "$OUT/train_gpu_log.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >"$LOG" 2>&1
+for seed in ${SEEDS:-0 1}; do
+  s=$SECONDS
+  timeout 280 python3 -m mxmoe train --preset gpu --device cuda --seed "$seed" --out /tmp/train_gpu_$seed 2>&1 \
+    | tr '\r' '\n' | grep -v "it/s" >>"$LOG"
+  echo "seed $seed: wall $((SECONDS - s)) s" >>"$LOG"
+  cp /tmp/train_gpu_$seed/metrics.json "$OUT/train_gpu_seed$seed.json"; cp /tmp/train_gpu_$seed/loss.png "$OUT/train_gpu_seed$seed.png"
+done
+tail -c 4000 "$LOG"
