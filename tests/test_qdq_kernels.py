@@ -134,6 +134,8 @@ def test_qdq_fake_shapes():
             (8, 64, 96), torch.bfloat16, (8, 96, 64), torch.float8_e4m3fn, (8, 96, 2), torch.float8_e8m0fnu)
         a, at = ops.qdq_dual_bf16(torch.empty(64, 96, device="cuda", dtype=torch.bfloat16), "rceil")
         assert (a.shape, at.shape, at.dtype) == ((64, 96), (96, 64), torch.bfloat16)
+        h = torch.empty(64, 192, device="cuda", dtype=torch.bfloat16)
+        assert [t.shape for t in ops.swiglu_qdq(h, "rceil")] == [(64, 96), (96, 64), (96, 2)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,3 +272,53 @@ def test_gpu_layer_qdq_route_prequantized_input_and_reference(monkeypatch):
     for a, b in zip(gpu, ref):
         rel = ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
         assert rel < 5e-2, rel  # BF16 product outputs on the GPU, FP32 on the CPU (see test_cuda_paths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(96, 320), (16384, 2 * 768)])
+def test_gpu_swiglu_qdq_equals_composition(shape):
+    """The fused kernel's a (BF16 MX values) and FP8 copy against qdq_dual(F.silu(gate) * up):
+    needs the kernel's silu to round like torch's CUDA silu (expf, IEEE division)."""
+    import torch
+    import torch.nn.functional as F
+
+    from mxmoe.kernels import quantize as Q
+
+    g = torch.Generator().manual_seed(3)
+    h = (torch.randn(*shape, generator=g) * 4).to(torch.bfloat16).cuda()
+    gate, up = h.split(shape[1] // 2, -1)
+    a = F.silu(gate) * up
+    for rule in ("rceil", "floor"):
+        got, want = Q.swiglu_qdq(h, rule), Q.qdq_dual(a, rule)
+        for x, y, what in zip(got, want, ("a bf16", "data_t", "scale_t")):
+            _same(x, y, f"swiglu {what} {rule}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d"])
+def test_gpu_moe_qdq_route_equals_old_composition(recipe, monkeypatch):
+    """The MoE layer (QDQ kernels + fused SwiGLU) against quantize + expand with torch's SwiGLU:
+    output and all gradients bit for bit."""
+    import torch
+
+    import mxmoe
+    from mxmoe import ops
+
+    monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
+    torch.manual_seed(0)
+    m = mxmoe.MoE(256, 512, 8, 2, recipe=recipe).cuda()
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        xx = x.detach().requires_grad_()
+        y = m(xx)
+        y.float().square().sum().backward()
+        out = [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
+        m.zero_grad()
+        return out
+
+    new = run()
+    monkeypatch.setattr(ops, "_expansion", lambda *a: None)
+    old = run()
+    for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
+        _same_bf16(a, b, f"{recipe} {what}")
