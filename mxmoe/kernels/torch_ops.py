@@ -128,7 +128,9 @@ dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dty
 qdq_rowwise.register_fake(lambda x, scale_rule: _bf16(x))
 qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))
 qdq_dual_bf16.register_fake(lambda x, scale_rule: (_bf16(x), _bf16(x, transposed=True)))
-swiglu_qdq.register_fake(lambda h, scale_rule: (_bf16(h[:, : h.shape[1] // 2]), *_col(h[:, : h.shape[1] // 2])))
+swiglu_qdq.register_fake(lambda h, scale_rule: (
+    h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16),
+    h.new_empty((h.shape[1] // 2, h.shape[0]), dtype=E4M3), h.new_empty((h.shape[1] // 2, h.shape[0] // 32), dtype=E8M0)))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
     a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))
