@@ -332,15 +332,17 @@ def mx_quantize_strip_kernel(
     """MXFP8 with a columnwise output (COL, ROW+COL, TILE32), one warp per [32, BK] strip.
 
     Same arguments and outputs as mx_quantize_kernel (launch it with num_warps=1). The strip is
-    one 32-row block high, and with one warp triton's load layout gives every thread all 32 rows
-    of its 8 (BK=256) or 4 columns: the 32-row maximum is a chain of max instructions inside the
-    thread (no shared memory, no barrier), the rowwise 1x32 maximum (ROW) is 2-3 warp shuffles,
-    and the transposed byte store goes through shared memory inside the warp only::
+    one 32-row block high and one warp wide, so every reduction stays inside the warp: with
+    BK = 128 triton's layout gives each thread 16 rows x 8 columns (columnwise, 32x32) or 8 rows x
+    16 columns (dual: the rowwise byte store's layout wins), and the 32-row maximum is a chain of
+    max instructions in the thread plus 1-2 warp shuffles; the rowwise 1x32 maximum is 1-2
+    shuffles; the transposed byte store goes through shared memory inside the warp only (no
+    cross-warp dependency; benchmarks/NOTES_quantize.md has the SASS)::
 
-              K ->  BK columns, lane L holds columns [L*BK/32, (L+1)*BK/32)
-        M  +------------------------------------+
-        |  | 32 rows  | lane 0 | lane 1 | ...   |   column block (32x1): max over the thread's rows
-        v  +------------------------------------+   row block (1x32): max over BK/32... lanes
+              K ->   BK columns (16-byte loads along K)
+        M  +-----------------------------------------+
+        |  |  32 rows = one columnwise block          |   column block (32x1): in-thread + shuffles
+        v  +-----------------------------------------+   row block (1x32): lanes sharing 32 columns
 
     Persistent: program p takes strips p, p + P, ...; PREFETCH loads the next strip before the
     current one is processed (twice the registers; the alternative is more resident warps).
