@@ -111,7 +111,7 @@ CANDIDATE_CONFIGS: dict[str, TileConfig] = {
 }
 
 # One-warp strip kernels for the families with a columnwise output (BK=128: 128 elements per
-# thread, 192-229 registers without spills; BK=256 spills). Bit-exact under the interpreter; the
+# thread, 192-255 registers, dual spills 16-32 bytes; BK=256 spills 0.4-2.3 KB). Bit-exact under the interpreter; the
 # GPU tests (test_gpu_strip_configs) and benchmarks/run_h200_quant.sh check them on the H200.
 STRIP_CONFIGS: dict[str, TileConfig] = {
     "col": TileConfig(32, 128, 1, True, "strip", prefetch=True),
