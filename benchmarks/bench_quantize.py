@@ -36,13 +36,12 @@ ACTS = [(32768, 7168), (131072, 2048), (16384, 5120)]
 WEIGHTS = [(8, 28672, 4096), (128, 1536, 2048)]
 P, NP = True, False  # persistent (prefetching) launch / one program per tile
 T = Q.TileConfig
-_STRIPS = [T(32, 128, 1, P, "strip", prefetch=False), T(32, 128, 1, P, "strip", prefetch=True),
-           T(32, 256, 1, P, "strip", prefetch=False)]
-SWEEP = {  # _TUNED key -> candidate TileConfigs ("tile": mx_quantize_kernel, "strip": one warp per 32 rows)
+_COLS = [T(64, 64, 2, P), T(64, 128, 4, P), T(32, 256, 4, P)]
+SWEEP = {  # _TUNED key -> candidate TileConfigs of mx_quantize_kernel
     "row": [T(32, 512, 8, P), T(32, 256, 4, P), T(32, 256, 4, NP)],
-    "col": [T(64, 64, 2, P)] + _STRIPS,
-    "colrow": [T(64, 64, 2, P)] + _STRIPS,
-    "colrow32": [T(64, 64, 2, P)] + _STRIPS,
+    "col": _COLS,
+    "colrow": _COLS,
+    "colrow32": _COLS,
     "grouped": [T(32, 256, 4, P), T(32, 512, 8, P), T(32, 256, 4, NP)],
 }
 
@@ -163,10 +162,7 @@ SWEPT = ("rowwise", "columnwise", "dual", "grouped_8", "weight_rowwise_blocked",
 
 def cfg_name(cfg) -> str:
     cfg = Q.TileConfig(*cfg)
-    name = f"{cfg.BM}x{cfg.BK}/w{cfg.num_warps}/{'persistent' if cfg.persistent else 'grid'}"
-    if cfg.kernel == "strip":
-        name = "strip " + name + ("/prefetch" if cfg.prefetch else "")
-    return name
+    return f"{cfg.BM}x{cfg.BK}/w{cfg.num_warps}/{'persistent' if cfg.persistent else 'grid'}"
 
 
 def select_best(rows) -> dict:

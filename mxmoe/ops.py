@@ -386,10 +386,10 @@ class _SwiGLUQDQ(torch.autograd.Function):
     def forward(ctx, h, scale_rule: str):
         from mxmoe.kernels import dispatch
 
-        a16, a_t = dispatch.swiglu_qdq(h, scale_rule)
+        a16, data_t, scale_t = dispatch.swiglu_qdq(h, scale_rule)  # columnwise storage [F, M], [F, M/32]
         ctx.save_for_backward(h)
-        ctx.mark_non_differentiable(a_t.data, a_t.scale)
-        return a16, a_t.data, a_t.scale
+        ctx.mark_non_differentiable(data_t, scale_t)
+        return a16, data_t, scale_t
 
     @staticmethod
     def backward(ctx, da, *_):

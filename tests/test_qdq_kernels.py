@@ -97,6 +97,12 @@ for M, f in ((96, 160), (64, 256)):
     gate, up = h.split(f, -1)
     (want,) = torch.autograd.grad(F.silu(gate) * up, h, da)
     same(dh, want, "swiglu backward")
+    # what the autograd function hands to ops.swiglu: columnwise storage that wraps into a's MXTensor
+    _, dt, st = ops._SwiGLUQDQ.apply(h, "rceil")
+    c = formats.quantize((F.silu(gate) * up).detach(), 0, "rceil")
+    a_t = Q.columnwise_mxtensor(dt, st, "rceil")
+    same(a_t.data.contiguous(), c.data, "swiglu autograd a_t data")
+    same(a_t.scale.contiguous(), c.scale, "swiglu autograd a_t scale")
     n += 1
 # against MXTensor.dequantize where the FP32 products are normal (the interpreter's FP32 -> BF16
 # conversion of FP32 subnormals differs from the GPU's; the GPU tests cover them)

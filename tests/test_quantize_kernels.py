@@ -288,18 +288,7 @@ def _case_quantize_mx(Q, dev, gen):
     assert Q.quantize_mx(x.to(torch.float64), -1) is None
 
 
-def _with_configs(Q, configs: dict, fn):
-    """Run fn() with some of Q._TUNED replaced, restoring it afterwards."""
-    saved = dict(Q._TUNED)
-    Q._TUNED.update(configs)
-    try:
-        fn()
-    finally:
-        Q._TUNED.clear()
-        Q._TUNED.update(saved)
-
-
-def _columnwise_families(Q, dev, gen, tag):
+def _case_columnwise_families(Q, dev, gen, tag="families"):
     """columnwise, dual and 32x32 on a batched input with ragged K tiles, all three scale layouts."""
     w = wide_randn((2, 96, 224), torch.bfloat16, "cpu", gen)
     w[0] = with_special_blocks(with_special_blocks(w[0], -1), 0)
@@ -312,18 +301,6 @@ def _columnwise_families(Q, dev, gen, tag):
     check_32x32(Q, w, "floor", "blocked", tag)
 
 
-def _case_tile_kernel_columnwise(Q, dev, gen):
-    """The multi-warp tile kernel for the columnwise families (the strip kernel is their default)."""
-    tile = {k: Q.CANDIDATE_CONFIGS[k] for k in ("col", "colrow", "colrow32")}
-    _with_configs(Q, tile, lambda: _columnwise_families(Q, dev, gen, "tile kernel"))
-
-
-def _case_strip_prefetch_flipped(Q, dev, gen):
-    """The strip kernel with the other prefetch setting than the default, per family."""
-    flipped = {k: c._replace(prefetch=not c.prefetch) for k, c in Q.STRIP_CONFIGS.items()}
-    _with_configs(Q, flipped, lambda: _columnwise_families(Q, dev, gen, "strip, prefetch flipped"))
-
-
 CASES = {
     "rowwise": _case_rowwise,
     "columnwise": _case_columnwise,
@@ -334,8 +311,7 @@ CASES = {
     "noncontiguous": _case_noncontiguous,
     "wide_k_scale_cols": _case_wide_k_scale_cols,
     "quantize_mx": _case_quantize_mx,
-    "tile_kernel_columnwise": _case_tile_kernel_columnwise,
-    "strip_prefetch_flipped": _case_strip_prefetch_flipped,
+    "columnwise_families": _case_columnwise_families,
 }
 
 
@@ -509,37 +485,6 @@ def test_gpu_candidate_configs(key, monkeypatch):
         else:
             check_grouped(Q, x, [0, 300, 300, 1500, 2000], rule, "act 5 groups")
     CASES["noncontiguous"](Q, "cuda", gen)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("BK", [128, 256])
-def test_gpu_strip_configs(BK, prefetch):
-    """The one-warp strip kernel (default for columnwise / dual / 32x32) at both strip widths and
-    prefetch settings, bit-exact: activations, weights, FP32 input, odd shapes."""
-    from mxmoe.kernels import quantize as Q
-
-    configs = {k: c._replace(BK=BK, prefetch=prefetch) for k, c in Q.STRIP_CONFIGS.items()}
-    gen = torch.Generator().manual_seed(13)
-    x = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), 0).cuda()
-    w = wide_randn((4, 1536, 2048), torch.bfloat16, "cpu", gen).cuda()
-    x32 = with_special_blocks(wide_randn((320, 1440), torch.float32, "cpu", gen), 0).cuda()
-
-    def run():
-        for rule in RULES:
-            _poison_cuda_cache()
-            check_columnwise(Q, x, rule, "row_major", "act")
-            check_columnwise(Q, w, rule, "sm90", "weights")
-            check_dual(Q, x, rule, "blocked", "act")
-            check_dual(Q, w, rule, "row_major", "weights")
-            check_32x32(Q, w, rule, "row_major", "weights")
-            check_32x32(Q, w, rule, "sm90", "weights")
-        check_columnwise(Q, x32, "rceil", "blocked", "fp32 act")
-        check_dual(Q, x32, "floor", "row_major", "fp32 act")
-        _columnwise_families(Q, "cuda", gen, f"strip BK={BK} prefetch={prefetch}")
-
-    _with_configs(Q, configs, run)
 
 
 @pytest.mark.gpu

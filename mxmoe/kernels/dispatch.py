@@ -181,11 +181,10 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: str):
 
 
 def swiglu_qdq(h: torch.Tensor, scale_rule: str):
-    """``h [M, 2F]`` bf16 -> (BF16 MX values of ``a = silu(gate) * up`` along F, a's MXTensor along M)."""
-    from mxmoe.kernels import quantize as q
-
-    a16, data_t, scale_t = _ops().swiglu_qdq(h, scale_rule)
-    return a16, q.columnwise_mxtensor(data_t, scale_t, scale_rule)
+    """``h [M, 2F]`` bf16 -> (BF16 MX values of ``a = silu(gate) * up`` along F, and a quantized
+    along M as columnwise storage: data ``[F, M]`` e4m3, scales ``[F, M/32]`` e8m0; wrap it with
+    ``quantize.columnwise_mxtensor``)."""
+    return _ops().swiglu_qdq(h, scale_rule)
 
 
 def expand_bf16(t):

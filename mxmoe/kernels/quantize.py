@@ -66,36 +66,26 @@ def _interpreting() -> bool:
 # ----------------------------------------------------------------------------------------------
 
 class TileConfig(NamedTuple):
-    """How a 2D quantization kernel is launched.
-
-    kernel "tile": ``mx_quantize_kernel``, [BM, BK] tiles of num_warps warps, always prefetching
-    the next tile. kernel "strip": ``mx_quantize_strip_kernel``, one warp per [32, BK] strip
-    (BM = 32, num_warps = 1), so the 32-row maximum of a columnwise block stays inside a thread;
-    prefetch picks whether it loads the next strip before processing the current one.
-    persistent: as many programs as fit on the GPU, each looping over tiles (else one per tile).
-    """
+    """How a quantization kernel is launched: [BM, BK] tiles of num_warps warps; persistent: as
+    many programs as fit on the GPU, each looping over tiles with a one-tile prefetch (else one
+    program per tile)."""
     BM: int
     BK: int
     num_warps: int
     persistent: bool
-    kernel: str = "tile"
-    prefetch: bool = True
 
 
 def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int) -> TileConfig:
     """Launch config of the 2D kernels, by family (``_TUNED`` key, default below).
 
-    "tile" kernels: a [BM, BK] tile is 16-32 KB of BF16 input (16-byte loads along K, BM a multiple
-    of 32 rows); persistent launches keep loads in flight while a program reduces, converts and
-    stores. Columnwise outputs use "strip" kernels: one warp per 32 rows, which keeps the 32-row
-    block maximum inside each thread (no cross-warp reduction, no CTA barrier; see
-    benchmarks/NOTES_quantize.md for the SASS). Values from benchmarks/bench_quantize.py on an H200.
+    A [BM, BK] tile is 8-32 KB of BF16 input (16-byte loads along K, BM a multiple of 32 rows);
+    persistent launches keep loads in flight while a program reduces, converts and stores. Values
+    from benchmarks/bench_quantize.py --sweep on an H200.
     """
-    key = ("col" if col else "") + ("row" if row else "") + ("32" if tile32 else "")
-    cfg = _TUNED.get(key) or TileConfig(32, 256, 4, True)
     if _interpreting():  # few large programs: the interpreter's cost is per program
-        return cfg._replace(BK=128) if cfg.kernel == "strip" else TileConfig(128, 256, 4, True)
-    return cfg
+        return TileConfig(128, 256, 4, True)
+    key = ("col" if col else "") + ("row" if row else "") + ("32" if tile32 else "")
+    return _TUNED.get(key) or TileConfig(32, 256, 4, True)
 
 
 # Faster in an H200 sweep (benchmarks/results/h200/quantize.json, rows "sweep ..."; same kernel
@@ -110,18 +100,9 @@ CANDIDATE_CONFIGS: dict[str, TileConfig] = {
     "grouped": TileConfig(32, 256, 4, False),
 }
 
-# One-warp strip kernels for the families with a columnwise output (BK=128: 128 elements per
-# thread, 192-255 registers, dual spills 16-32 bytes; BK=256 spills 0.4-2.3 KB). Bit-exact under the interpreter; the
-# GPU tests (test_gpu_strip_configs) and benchmarks/run_h200_quant.sh check them on the H200.
-STRIP_CONFIGS: dict[str, TileConfig] = {
-    "col": TileConfig(32, 128, 1, True, "strip", prefetch=True),
-    "colrow": TileConfig(32, 128, 1, True, "strip", prefetch=False),
-    "colrow32": TileConfig(32, 128, 1, True, "strip", prefetch=False),
-}
-
 # Tile configs in use by kernel family; keys "row", "col", "colrow" (dual), "colrow32" / "row32"
 # (32x32 tiles), "grouped"; a missing key uses the default above.
-_TUNED: dict[str, TileConfig] = {**CANDIDATE_CONFIGS, **STRIP_CONFIGS}
+_TUNED: dict[str, TileConfig] = dict(CANDIDATE_CONFIGS)
 
 
 def _config_grouped(K: int) -> TileConfig:
@@ -202,8 +183,7 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         sc = _alloc_scales(B, K // BLOCK if compact else K, M // BLOCK, layout, dev)
     if x3.numel() > 0 and B > 0:
         cfg = _config_2d(M, K, row, col, tile32, x.element_size())
-        strip = cfg.kernel == "strip"
-        BM = 32 if strip else cfg.BM
+        BM = cfg.BM
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
@@ -214,12 +194,8 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
                 sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
         kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BK=cfg.BK,
                       SOFT_CVT=_interpreting())
-        if strip:
-            kernel = _kernels().mx_quantize_strip_kernel
-            kwargs.update(PREFETCH=cfg.prefetch, num_warps=1)
-        else:
-            kernel = _kernels().mx_quantize_kernel
-            kwargs.update(BM=BM, num_warps=cfg.num_warps)
+        kernel = _kernels().mx_quantize_kernel
+        kwargs.update(BM=BM, num_warps=cfg.num_warps)
         grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if cfg.persistent else total,)
         kernel[grid](*args, **kwargs)
     out = []
