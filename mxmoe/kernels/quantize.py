@@ -93,7 +93,7 @@ def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int
 # 87-90%, grouped 38% -> 47% on 16384x5120. tests/test_quantize_kernels.py::test_gpu_candidate_configs
 # checks each bit for bit against the reference (passed on an H200, 2026-11-30, session 2).
 CANDIDATE_CONFIGS: dict[str, TileConfig] = {
-    "row": TileConfig(32, 512, 8, True),
+    "row": TileConfig(32, 256, 4, False),  # session 2 sweep: 87-96% on every shape; 32x512/w8 fell to 61% on 16384x5120
     "col": TileConfig(64, 64, 2, True),
     "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
