@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 
@@ -89,7 +90,7 @@ def kernel_breakdown(fn) -> dict:
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
         kernels.append((t, ev.key[:120]))
         name = ev.key.lower()
-        if "quant" in name:
+        if "quant" in name or "qdq" in name:  # quantize, dequantize, quantize-dequantize (incl. fused SwiGLU/permute)
             cats["quantize"] += t
         elif any(k in name for k in ("gemm", "grouped_mm", "sm90", "cutlass", "nvjet", "matmul", "mma")):
             cats["gemm"] += t
@@ -112,7 +113,9 @@ def run_case(name, recipe, skew, tokens, iters, dev):
     xg = x.clone().requires_grad_()
     dy = torch.randn_like(x)
 
-    def step():
+    def step():  # one training step's layer work: gradients start empty, as after zero_grad()
+        moe.zero_grad(set_to_none=True)
+        xg.grad = None
         y = layer(xg)
         y.backward(dy)
 
@@ -148,7 +151,9 @@ def main():
     rows = []
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "python": platform.python_version(), "tokens": args.tokens,
-            "timing": f"median of {args.iters} fwd+bwd steps (CUDA events) after 3 warm-up steps"}
+            "timing": f"median of {args.iters} fwd+bwd steps (CUDA events) after 3 warm-up steps; "
+                      "parameter gradients set to None before each step (no accumulation)",
+            "env": {k: v for k, v in os.environ.items() if k.startswith("MXMOE_")}}
     try:
         import triton
         meta["triton"] = triton.__version__
