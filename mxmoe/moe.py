@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxmoe.formats import MXTensor
-from mxmoe.ops import grouped_linear, swiglu
+from mxmoe.ops import grouped_linear, permute_tokens, swiglu
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -157,11 +157,14 @@ class MoE(nn.Module):
 
     def permute(self, x2: torch.Tensor, r: Routing):
         """Tokens ``x2 [T, D]`` -> the expert-ordered buffer ``xp [M, D]`` (groups padded to
-        ``recipe.align`` rows). Returns ``(xp, offs [E] int32, x_mx, state)``: ``x_mx`` is the
-        buffer already in MXFP8 or None, ``state`` what :meth:`unpermute` needs. Expert-parallel
-        subclasses exchange tokens here."""
-        src = x2.repeat_interleave(self.top_k, dim=0)  # [T*top_k, D], slot t*top_k + j
-        return x2.new_zeros(r.rows, self.dim).index_copy(0, r.slot_rows, src), r.offs, None, r
+        ``recipe.align`` rows). Returns ``(xp, offs [E] int32, x_mx, state)``: ``x_mx`` is xp's rows
+        already in MXFP8, or None: quantized along D (axis 1, fprop's operand: e.g. tokens received
+        in MXFP8) or, where xp is already its own BF16 MX values along D (the fused permute +
+        quantization of :func:`~mxmoe.ops.permute_tokens`), its FP8 copy along rows (axis 0,
+        wgrad's operand). ``state`` is what :meth:`unpermute` needs. Expert-parallel subclasses
+        exchange tokens here."""
+        xp, xp_wgrad = permute_tokens(x2, r.slot_rows, r.rows, self.top_k, self.recipe, self.w13)
+        return xp, r.offs, xp_wgrad, r
 
     def unpermute(self, yp: torch.Tensor, state, tokens: int) -> torch.Tensor:
         """Expert outputs ``yp [M, D]`` -> each slot's output ``[T*top_k, D]`` (slot t*top_k + j)."""
@@ -169,8 +172,11 @@ class MoE(nn.Module):
 
     def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None) -> torch.Tensor:
         """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same
-        rows already in MXFP8 (fprop uses them, no second quantization)."""
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx)  # [M, 2F]
+        rows already in MXFP8 (:meth:`permute`'s contract; no second quantization): along D, fprop
+        uses it; along rows, xp is its BF16 MX values and wgrad uses it."""
+        x_wgrad = x_mx if x_mx is not None and x_mx.axis == 0 else None
+        x_mx = None if x_wgrad is not None else x_mx
+        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad)  # [M, 2F]
         a, a_wgrad = swiglu(h, self.recipe, self.w2)  # on CUDA's expansion route: fused with a's quantization
         return grouped_linear(a, self.w2, offs, self.recipe, validate=False, x_wgrad=a_wgrad)  # [M, D]
 

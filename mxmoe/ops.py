@@ -11,6 +11,8 @@ summation order for products).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mxmoe import formats
@@ -397,6 +399,59 @@ class _SwiGLUQDQ(torch.autograd.Function):
         gate, up = h.split(h.shape[1] // 2, dim=-1)
         dgate = torch.ops.aten.silu_backward(da * up, gate)
         return torch.cat([dgate, da * torch.nn.functional.silu(gate)], dim=-1), None
+
+
+class _PermuteQDQ(torch.autograd.Function):
+    """Tokens ``x2 [T, D]`` bf16 gathered into the expert-ordered buffer fused with its dual QDQ
+    (forward: one read of x2, the BF16 buffer never written); backward: the gradient of the
+    gather (the ops autograd runs for ``repeat_interleave`` + ``index_copy``, so the same bits):
+    each token sums the gradient rows of its top_k slots. Quantization is straight-through."""
+
+    @staticmethod
+    def forward(ctx, x2, slot_rows, rows: int, top_k: int, scale_rule: str):
+        from mxmoe.kernels import dispatch
+
+        src = torch.full((rows,), -1, dtype=torch.int32, device=x2.device)  # token of each row, -1: padding
+        src[slot_rows] = torch.arange(slot_rows.numel(), device=x2.device, dtype=torch.int32) // top_k
+        xp16, data_t, scale_t = dispatch.permute_qdq(x2, src, scale_rule)  # columnwise storage [D, M], [D, M/32]
+        ctx.save_for_backward(slot_rows)
+        ctx.top_k = top_k
+        ctx.mark_non_differentiable(data_t, scale_t)
+        return xp16, data_t, scale_t
+
+    @staticmethod
+    def backward(ctx, dxp, *_):
+        (slot_rows,) = ctx.saved_tensors
+        g = dxp.index_select(0, slot_rows)  # [T*top_k, D], slot t*top_k + j
+        return g.view(-1, ctx.top_k, g.shape[1]).sum(1), None, None, None, None
+
+
+def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: int,
+                   recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None):
+    """Tokens ``x2 [T, D]`` -> the expert-ordered buffer ``xp [rows, D]`` feeding the expert
+    product with ``w_next`` (``[E, N, D]``): slot ``t*top_k + j`` (token t's j-th expert) goes to row
+    ``slot_rows[t*top_k + j]`` (``slot_rows`` ``[T*top_k]`` int64, distinct rows); other rows are zero.
+
+    Returns ``(xp, xp_wgrad)``. Where that product takes the Hopper expansion route (CUDA, bf16 x2,
+    an MXFP8 recipe with MX wgrad, ``rows % 32 == D % 32 == 0``) one fused kernel returns ``xp`` as
+    its BF16 MX values along D (``qdq_dual(xp)[0]`` bit for bit) and ``xp_wgrad`` its FP8 copy along
+    rows: pass both to :func:`grouped_linear` (``x_wgrad=xp_wgrad``). Elsewhere ``(xp, None)``, xp
+    built by ``repeat_interleave`` + ``index_copy``. Gradients flow to x2 either way, the same bits.
+
+    The environment variable ``MXMOE_FUSED_PERMUTE`` (read at every call; default ``"1"``) set to
+    ``"0"`` disables the fused kernel (e.g. to time the layer with and without it in one run).
+    """
+    recipe = get_recipe(recipe)
+    D = x2.shape[-1]
+    if (w_next is not None and os.environ.get("MXMOE_FUSED_PERMUTE", "1") != "0" and x2.is_cuda
+            and x2.dtype == torch.bfloat16 and x2.dim() == 2 and recipe.mxfp8 and recipe.wgrad_mxfp8
+            and rows % BLOCK == 0 and D % BLOCK == 0 and _expansion(x2, w_next, recipe) is not None):
+        from mxmoe.kernels.quantize import columnwise_mxtensor
+
+        xp16, data_t, scale_t = _PermuteQDQ.apply(x2, slot_rows, rows, top_k, recipe.scale_rule)
+        return xp16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
+    src = x2.repeat_interleave(top_k, dim=0)  # [T*top_k, D], slot t*top_k + j
+    return x2.new_zeros(rows, D).index_copy(0, slot_rows, src), None
 
 
 def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None):

@@ -123,6 +123,101 @@ def test_qdq_kernels_interpreter():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+PERMUTE_CHECK = r"""
+import sys, torch
+sys.path.insert(0, "tests")
+from test_quantize_kernels import wide_randn, with_special_blocks
+from mxmoe import ops
+from mxmoe.kernels import quantize as Q
+from mxmoe.moe import permute_plan
+
+gen = torch.Generator().manual_seed(0)
+
+def same(got, want, what):
+    g, w = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+    assert g.shape == w.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    bad = (g != w).nonzero()
+    assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}"
+
+def old_permute(x2, slot_rows, M, top_k):  # what MoE.permute built before the fusion
+    return x2.new_zeros(M, x2.shape[1]).index_copy(0, slot_rows, x2.repeat_interleave(top_k, dim=0))
+
+def sources(slot_rows, M, top_k):
+    src = torch.full((M,), -1, dtype=torch.int64)
+    src[slot_rows] = torch.arange(slot_rows.numel()) // top_k
+    return src
+
+n = 0
+# T not a multiple of 32; experts 1 and 3 empty; D = 288: a partial column tile (interpreter BK = 256)
+for T, D, E, top_k in ((45, 288, 5, 1), (45, 288, 5, 2), (70, 96, 6, 4), (0, 64, 3, 2)):
+    experts = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(T)]) if T else \
+        torch.zeros(0, top_k, dtype=torch.int64)
+    experts = torch.where((experts == 1) | (experts == 3), (experts + 1) % E, experts) if E > 4 else experts
+    slot_rows, offs, M, counts = permute_plan(experts, E, 32)
+    assert T == 0 or (E <= 4 or int(counts[1]) == int(counts[3]) == 0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x2 = with_special_blocks(wide_randn((T, D), dtype, "cpu", gen), -1) if T else torch.zeros(0, D, dtype=dtype)
+        if T:
+            x2[(experts[:, 0] == 0)] *= 2.0**-120  # expert 0's column blocks near the bottom of the range
+            x2[3, 7] = float("inf"); x2[5, 40] = float("nan")
+        views = (x2, torch.cat([x2, x2], 1)[:, D:])  # contiguous, and a row-strided view
+        for rule in ("rceil", "floor"):
+            for xv, src_dtype in zip(views, (torch.int64, torch.int32)):
+                src = sources(slot_rows, M, top_k).to(src_dtype)
+                got = Q.permute_qdq(xv, src, rule)
+                want = Q.qdq_dual(old_permute(xv, slot_rows, M, top_k), rule)
+                for g, w, what in zip(got, want, ("bf16", "data_t", "scale_t")):
+                    same(g, w, f"permute_qdq {what} T={T} top_k={top_k} {dtype} {rule}")
+                n += 1
+    # autograd: the fused function against autograd of the old composition (bf16, finite values)
+    x2 = wide_randn((T, D), torch.bfloat16, "cpu", gen).requires_grad_()
+    dxp = torch.randn(M, D, generator=gen).to(torch.bfloat16)
+    xp16, dt, st = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil")
+    same(xp16, Q.qdq_dual(old_permute(x2.detach(), slot_rows, M, top_k))[0], f"autograd forward top_k={top_k}")
+    (got,) = torch.autograd.grad(xp16, x2, dxp)
+    (want,) = torch.autograd.grad(old_permute(x2, slot_rows, M, top_k), x2, dxp)
+    same(got, want, f"permute backward top_k={top_k}")
+    # off the expansion route (CPU) permute_tokens is the old composition
+    xp, xp_wgrad = ops.permute_tokens(x2.detach(), slot_rows, M, top_k, "mxfp8", torch.zeros(E, 64, D))
+    assert xp_wgrad is None
+    same(xp, old_permute(x2.detach(), slot_rows, M, top_k), "permute_tokens fallback")
+# the MoE layer (CPU reference products) with the fused function in permute: x_mx along rows goes to
+# wgrad, as on CUDA's expansion route; output and gradients equal the unfused layer's
+from mxmoe.moe import MoE
+torch.manual_seed(0)
+m = MoE(64, 96, 6, 2)
+x = torch.randn(45, 64).to(torch.bfloat16)
+
+def fused_permute(x2, r):
+    xp16, dt, st = ops._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule)
+    return xp16, r.offs, Q.columnwise_mxtensor(dt, st, m.recipe.scale_rule), r
+
+def run():
+    xx = x.clone().requires_grad_()
+    y = m(xx)
+    y.float().square().sum().backward()
+    out = [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
+    m.zero_grad()
+    return out
+
+old = run()
+m.permute = fused_permute
+for a, b, what in zip(run(), old, ("y", "dx", "dw13", "dw2", "drouter")):
+    same(a, b, f"MoE with the fused permute: {what}")
+print("ok", n)
+"""
+
+
+def test_permute_qdq_interpreter():
+    """The fused permute + dual QDQ kernel equals qdq_dual of the buffer MoE.permute built before it,
+    bit for bit; its autograd backward equals the old composition's gradient."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", PERMUTE_CHECK], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_qdq_fake_shapes():
     """Fake implementations of the QDQ custom ops (torch.compile / CUDA graphs trace them)."""
     import torch
@@ -142,6 +237,10 @@ def test_qdq_fake_shapes():
         assert (a.shape, at.shape, at.dtype) == ((64, 96), (96, 64), torch.bfloat16)
         h = torch.empty(64, 192, device="cuda", dtype=torch.bfloat16)
         assert [t.shape for t in ops.swiglu_qdq(h, "rceil")] == [(64, 96), (96, 64), (96, 2)]
+        src = torch.empty(96, device="cuda", dtype=torch.int32)
+        xp, dt, st = ops.permute_qdq(torch.empty(40, 64, device="cuda", dtype=torch.bfloat16), src, "rceil")
+        assert (xp.shape, xp.dtype, dt.shape, dt.dtype, st.shape, st.dtype) == (
+            (96, 64), torch.bfloat16, (64, 96), torch.float8_e4m3fn, (64, 3), torch.float8_e8m0fnu)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,3 +427,80 @@ def test_gpu_moe_qdq_route_equals_old_composition(recipe, monkeypatch):
     old = run()
     for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
         _same_bf16(a, b, f"{recipe} {what}")
+
+
+def _old_permute(x2, slot_rows, rows, top_k):
+    """The expert-ordered buffer as MoE.permute built it before the fused kernel."""
+    return x2.new_zeros(rows, x2.shape[1]).index_copy(0, slot_rows, x2.repeat_interleave(top_k, dim=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("tokens,dim", [(300, 256), (4133, 2048)])
+def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
+    """The fused permute + dual QDQ kernel against qdq_dual of the old permuted buffer (special
+    blocks, empty experts, T not a multiple of 32, a row-strided view, fp32 input); the autograd
+    function's gradient against autograd of the old permute (top_k 8: CUDA's summation order)."""
+    import torch
+
+    from mxmoe import ops
+    from mxmoe.kernels import quantize as Q
+    from mxmoe.moe import permute_plan
+
+    E = 16
+    g = torch.Generator().manual_seed(4)
+    experts = torch.stack([torch.randperm(E - 3, generator=g)[:top_k] for _ in range(tokens)]).cuda()  # 3 empty
+    slot_rows, _, M, _ = permute_plan(experts, E, 32)
+    src = torch.full((M,), -1, dtype=torch.int32, device="cuda")
+    src[slot_rows] = (torch.arange(slot_rows.numel(), device="cuda") // top_k).to(torch.int32)
+    for dtype in (torch.bfloat16, torch.float32):
+        x2 = _gpu_inputs((tokens, dim), dtype)
+        for xv in (x2, torch.cat([x2, x2], 1)[:, dim:]):
+            for rule in ("rceil", "floor"):
+                got, want = Q.permute_qdq(xv, src, rule), Q.qdq_dual(_old_permute(xv, slot_rows, M, top_k), rule)
+                for a, b, what in zip(got, want, ("bf16", "data_t", "scale_t")):
+                    _same(a, b, f"permute_qdq {what} {dtype} {rule}")
+    x2 = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).cuda().requires_grad_()
+    dxp = torch.randn(M, dim, generator=g).to(torch.bfloat16).cuda()
+    xp16, _, _ = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil")
+    (got,) = torch.autograd.grad(xp16, x2, dxp)
+    (want,) = torch.autograd.grad(_old_permute(x2, slot_rows, M, top_k), x2, dxp)
+    _same(got, want, "permute backward")
+    empty = Q.permute_qdq(x2[:0].detach(), torch.full((64,), -1, dtype=torch.int32, device="cuda"), "rceil")
+    assert not empty[0].any() and not empty[1].view(torch.uint8).any() and not empty[2].view(torch.uint8).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,top_k", [("mxfp8", 2), ("mxfp8_2d", 2), ("mxfp8", 8)])
+def test_gpu_moe_fused_permute_equals_unfused(recipe, top_k, monkeypatch):
+    """The MoE layer with the fused permute + quantization kernel against the same layer with
+    MXMOE_FUSED_PERMUTE=0 (repeat_interleave + index_copy, then qdq_dual in grouped_linear):
+    output and all gradients bit for bit; checks the fused kernel ran (and only when enabled)."""
+    import torch
+
+    import mxmoe
+    from mxmoe.kernels import dispatch
+
+    monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
+    calls = []
+    fused = dispatch.permute_qdq
+    monkeypatch.setattr(dispatch, "permute_qdq", lambda *a: calls.append(1) or fused(*a))
+    torch.manual_seed(0)
+    m = mxmoe.MoE(256, 512, 16, top_k, recipe=recipe).cuda()
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        xx = x.detach().requires_grad_()
+        y = m(xx)
+        y.float().square().sum().backward()
+        out = [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
+        m.zero_grad()
+        return out
+
+    new = run()
+    assert len(calls) == 1
+    monkeypatch.setenv("MXMOE_FUSED_PERMUTE", "0")
+    old = run()
+    assert len(calls) == 1
+    for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
+        _same_bf16(a, b, f"{recipe} top_k={top_k} {what}")

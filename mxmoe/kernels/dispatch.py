@@ -187,6 +187,13 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: str):
     return _ops().swiglu_qdq(h, scale_rule)
 
 
+def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
+    """Tokens ``x [T, K]`` gathered by ``src [M]`` (token per row, -1: zero row) -> ``qdq_dual`` of
+    that buffer without writing it: (BF16 MX values along K ``[M, K]``, data ``[K, M]`` e4m3, scales
+    ``[K, M/32]`` e8m0; wrap the last two with ``quantize.columnwise_mxtensor``)."""
+    return _ops().permute_qdq(x, src, scale_rule)
+
+
 def expand_bf16(t):
     """The BF16 operand of the expansion route for an MXTensor quantized along one of its last two
     dims, in its logical shape (a transposed view when quantized along dim -2); plain tensors pass."""

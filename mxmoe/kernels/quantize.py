@@ -544,3 +544,46 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
         grid = (_persistent_grid(kernel, args, kwargs, total, dev) if persistent else total,)
         kernel[grid](*args, **kwargs)
     return a16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
+
+
+def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
+    """Token rows gathered into a row buffer, fused with that buffer's dual QDQ; the buffer
+    ``xp[m] = x[src[m]]`` (a zero row where ``src[m] == -1``) is never written.
+
+    Args:
+        x: ``[T, K]`` bfloat16/float16/float32, CUDA, ``K % 32 == 0``; any strides.
+        src: ``[M]`` int32/int64 on x's device, ``M % 32 == 0``: the source token of each row, or -1.
+            Values outside ``[0, T)`` give zero rows (not checked: that would synchronize).
+        scale_rule: ``"rceil"`` or ``"floor"``.
+    Returns:
+        ``(xp_bf16 [M, K], data_t [K, M], scale_t [K, M/32])``: :func:`qdq_dual` of xp, bit for bit.
+    Raises:
+        TypeError: x not a float tensor of a supported dtype, src not int32/int64.
+        ValueError: bad shapes, devices differ, CPU tensors (outside the interpreter).
+    """
+    if not isinstance(src, torch.Tensor) or src.dtype not in (torch.int32, torch.int64):
+        got = getattr(src, "dtype", type(src).__name__)
+        raise TypeError(f"permute_qdq expects src as an int32/int64 tensor, got {got}")
+    if src.dim() != 1 or src.device != getattr(x, "device", None):
+        raise ValueError(f"permute_qdq expects src [M] on x's device, got shape {tuple(src.shape)} on {src.device}")
+    _check(x, "permute_qdq", need_k32=True, need_m32=False)
+    if x.dim() != 2:
+        raise ValueError(f"permute_qdq expects x [T, K], got shape {tuple(x.shape)}")
+    (T, K), M = x.shape, src.numel()
+    if M % BLOCK:
+        raise ValueError(f"permute_qdq: the buffer's row count (M={M}) must be divisible by {BLOCK}")
+    dev = x.device
+    xp16 = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+    qc = torch.empty(K, M, dtype=torch.uint8, device=dev)
+    sc = torch.empty(K, M // BLOCK, dtype=torch.uint8, device=dev)
+    if M and K:
+        BM, BK, num_warps, persistent = _config_qdq(True)
+        total = triton_cdiv(M, BM) * triton_cdiv(K, BK)
+        if T == 0:  # no tokens: every row is zero; an empty CUDA tensor has no address triton accepts
+            x = x.new_zeros(1, K)
+        args = (x, src.contiguous(), xp16, qc, sc, M, K, T, x.stride(0), x.stride(1), _rule(scale_rule))
+        kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        kernel = _kernels().mx_permute_qdq_kernel
+        grid = (_persistent_grid(kernel, args, kwargs, total, dev) if persistent else total,)
+        kernel[grid](*args, **kwargs)
+    return xp16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)

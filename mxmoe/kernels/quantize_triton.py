@@ -489,3 +489,44 @@ def mx_swiglu_qdq_kernel(
         gate = gate_next
         up = up_next
         t += nprog
+
+
+# ----------------------------------------------------------------------------------------------
+# Token permutation fused with the dual QDQ (the first expert product's input on the expansion route)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _load_gathered_tile(x_ptr, src_ptr, t, total, n_m, n_k, M, K, T, stride_xm, stride_xk,
+                        BM: tl.constexpr, BK: tl.constexpr):
+    """Tile number t of the gathered matrix xp [M, K], xp[m] = x[src[m]] (zeros where src[m] is
+    outside [0, T), past the edges and for t >= total): _load_tile with a gathered row pointer."""
+    _, tm, tk = _tile_coords(t, n_m, n_k)
+    m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
+    k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    live = tl.full([BM, 1], t, tl.int32) < total
+    row = tl.load(src_ptr + m, mask=(m < M) & live, other=-1).to(tl.int64)  # [BM, 1] source token
+    mask = (row >= 0) & (row < T) & (k < K)
+    return tl.load(x_ptr + row * stride_xm + k.to(tl.int64) * stride_xk, mask=mask, other=0.0)
+
+
+@triton.jit(do_not_specialize=["rceil"])
+def mx_permute_qdq_kernel(
+    x_ptr, src_ptr, br_ptr, qc_ptr, sc_ptr, M, K, T, stride_xm, stride_xk, rceil,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    """x [T, K] (any strides) gathered by src [M] (int32/int64 token per row, -1: a zero row) into
+    xp [M, K], xp never written: br [M, K] bf16 (xp's MX values along K) + qc [K, M] / sc [K, M/32]
+    (xp along M), i.e. mx_qdq_kernel's ROW_BF16 + COL_FP8 outputs of xp. Persistent, one-tile prefetch."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_m = tl.cdiv(M, BM)
+    n_k = tl.cdiv(K, BK)
+    total = n_m * n_k
+    x = _load_gathered_tile(x_ptr, src_ptr, pid, total, n_m, n_k, M, K, T, stride_xm, stride_xk, BM, BK)
+    t = pid
+    while t < total:
+        x_next = _load_gathered_tile(x_ptr, src_ptr, t + nprog, total, n_m, n_k, M, K, T, stride_xm, stride_xk,
+                                     BM, BK)
+        _qdq_tile(x, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, K, rceil,
+                  True, False, True, False, BM, BK, SOFT_CVT)
+        x = x_next
+        t += nprog

@@ -14,6 +14,7 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
 ``qdq_dual_bf16``           x -> (bf16 ``[..., M, K]``, bf16 ``[..., K, M]``): along K and along M
 ``swiglu_qdq``              h ``[M, 2F]`` bf16 -> ``qdq_dual`` of ``silu(h[:, :F]) * h[:, F:]``
+``permute_qdq``             (x ``[T, K]``, src ``[M]`` int) -> ``qdq_dual`` of ``x[src]`` (rows with src -1: zero)
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
 ==========================  =====================================================================
@@ -99,6 +100,13 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Te
     return tuple(q.swiglu_qdq(h, scale_rule))
 
 
+@torch.library.custom_op("mxmoe::permute_qdq", mutates_args=())
+def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.permute_qdq(x, src, scale_rule))
+
+
 def _bf16(x, transposed=False):
     shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else x.shape
     return x.new_empty(shape, dtype=torch.bfloat16)
@@ -131,6 +139,9 @@ qdq_dual_bf16.register_fake(lambda x, scale_rule: (_bf16(x), _bf16(x, transposed
 swiglu_qdq.register_fake(lambda h, scale_rule: (
     h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16),
     h.new_empty((h.shape[1] // 2, h.shape[0]), dtype=E4M3), h.new_empty((h.shape[1] // 2, h.shape[0] // 32), dtype=E8M0)))
+permute_qdq.register_fake(lambda x, src, scale_rule: (
+    x.new_empty((src.shape[0], x.shape[1]), dtype=torch.bfloat16),
+    x.new_empty((x.shape[1], src.shape[0]), dtype=E4M3), x.new_empty((x.shape[1], src.shape[0] // 32), dtype=E8M0)))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
     a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))
