@@ -162,10 +162,17 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
 
 
 def _aligned_16b(t: torch.Tensor) -> bool:
-    """torch._grouped_mm needs one unit-stride dim, other strides and the base on 16 bytes."""
+    """torch._grouped_mm needs one unit-stride dim, other strides and the base on 16 bytes.
+
+    Under torch.compile the base address cannot be traced (data_ptr / storage_offset break the
+    graph), so only the strides are checked there: a view starting off a 16-byte boundary is then
+    not routed to the reference product (the layer's own operands are fresh casts or views at
+    multiples of 16 bytes)."""
     size = t.element_size()
-    return (1 in t.stride()[-2:] and all((s * size) % 16 == 0 for s in t.stride() if s != 1)
-            and t.data_ptr() % 16 == 0)
+    strides_ok = 1 in t.stride()[-2:] and all((s * size) % 16 == 0 for s in t.stride() if s != 1)
+    if torch.compiler.is_compiling():
+        return strides_ok
+    return strides_ok and t.data_ptr() % 16 == 0
 
 
 # --------------------------------------------------------------------------------------------
