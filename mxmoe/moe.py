@@ -71,6 +71,24 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     return slot_rows, ends.to(torch.int32), M, counts
 
 
+class _GatherRows(torch.autograd.Function):
+    """``src.index_select(0, index)`` for an ``index`` without repeats (each expert row feeds at most
+    one slot). The backward writes each gradient row to its source row (``index_copy``) instead of
+    autograd's ``index_add``, which accumulates with atomics; same values (rows no slot reads get
+    zero)."""
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = src.shape[0]
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
+
+
 class MoE(nn.Module):
     """Sparse mixture-of-experts feed-forward layer with SwiGLU experts.
 
@@ -168,7 +186,7 @@ class MoE(nn.Module):
 
     def unpermute(self, yp: torch.Tensor, state, tokens: int) -> torch.Tensor:
         """Expert outputs ``yp [M, D]`` -> each slot's output ``[T*top_k, D]`` (slot t*top_k + j)."""
-        return yp.index_select(0, state.slot_rows)
+        return _GatherRows.apply(yp, state.slot_rows)
 
     def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None) -> torch.Tensor:
         """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same

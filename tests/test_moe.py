@@ -163,3 +163,20 @@ def test_gpu_torch_compile_layer(recipe):
     for e, c, name in zip(eager, compiled, ("y", "dx", "dw13", "dw2")):
         err = ((c - e).norm() / e.norm()).item()
         assert torch.isfinite(c).all() and err <= 3e-2, f"{recipe} {name}: rel err {err:.2e}"
+
+
+def test_unpermute_gather_rows_matches_index_select_grad():
+    """MoE.unpermute's backward (index_copy into zeros) equals autograd's index_select backward
+    (index_add into zeros) for slot rows without repeats, padding rows included (zero)."""
+    from mxmoe.moe import _GatherRows
+
+    gen = torch.Generator().manual_seed(3)
+    experts = torch.randint(0, 6, (50, 2), generator=gen)
+    slot_rows, offs, M, _ = permute_plan(experts, 6, 32)
+    yp = torch.randn(M, 24, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(slot_rows.numel(), 24, generator=gen, dtype=torch.float64)
+    (want,) = torch.autograd.grad(yp.index_select(0, slot_rows), yp, g)
+    out = _GatherRows.apply(yp, slot_rows)
+    (got,) = torch.autograd.grad(out, yp, g)
+    assert torch.equal(out, yp.index_select(0, slot_rows)) and torch.equal(got, want)
+    assert M > slot_rows.numel() and (got.abs().sum(1) == 0).sum() == M - slot_rows.numel()
