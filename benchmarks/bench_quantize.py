@@ -212,8 +212,8 @@ def precompile(workers: int = 8, keys=None) -> None:
 
 def _default_cfg(key: str):
     if key == "grouped":
-        return Q._config_grouped(4096)
-    return Q._config_2d(4096, 4096, row="row" in key, col="col" in key, tile32=key.endswith("32"), itemsize=2)
+        return Q._config_grouped()
+    return Q._config_2d(row="row" in key, col="col" in key, tile32=key.endswith("32"))
 
 
 def main():

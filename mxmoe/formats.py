@@ -80,6 +80,8 @@ def _check_input(x: torch.Tensor, axis: int) -> int:
         raise TypeError(f"quantize expects a float16/bfloat16/float32/float64 tensor, got dtype {x.dtype}")
     if x.dim() == 0:
         raise ValueError("quantize expects at least one dimension")
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be an int, got {axis!r}")
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"axis {axis} is out of range for a {x.dim()}-dimensional tensor")
     axis = axis % x.dim()

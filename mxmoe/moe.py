@@ -116,6 +116,8 @@ class MoE(nn.Module):
         super().__init__()
         if min(dim, ffn_dim, num_experts) < 1:
             raise ValueError(f"dim, ffn_dim and num_experts must be positive, got {dim}, {ffn_dim}, {num_experts}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise TypeError(f"top_k must be an int, got {top_k!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
@@ -200,7 +202,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype."""
-        if x.shape[-1] != self.dim:
+        if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]

@@ -119,6 +119,9 @@ def _check_grouped_operands(a, b, offs) -> None:
         check_offsets(offs, b.shape[0], a.shape[0], "rows")
     else:
         check_offsets(offs, None, a.shape[1], "contraction elements")
+        if _is_mx(a) and bool((offs % BLOCK != 0).any()):  # a 32-element block would mix two experts
+            raise ValueError(f"grouped_mm: MX operands contracted per group (wgrad) need every group to end on a "
+                             f"multiple of {BLOCK}, got offs {offs.tolist()}")
 
 
 def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -140,11 +143,15 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
         out_dtype: result dtype; default ``a.dtype`` for plain tensors, ``bfloat16`` for MX.
     Raises:
         TypeError: mixed operand kinds, non-float dtypes, mismatched dtypes, offs not int32.
+        TypeError: also a non-float ``out_dtype``.
         ValueError: wrong ranks, contraction mismatch, wrong quantized axis, offsets not
-            non-decreasing, past the tensor, or a group count different from ``b.shape[0]``.
+            non-decreasing, past the tensor, or a group count different from ``b.shape[0]``; 2D x 2D MX
+            operands with a group not ending on a multiple of 32.
     """
     if _validate:
         _check_grouped_operands(a, b, offs)
+        if out_dtype is not None and not out_dtype.is_floating_point:
+            raise TypeError(f"grouped_mm: out_dtype must be a floating dtype, got {out_dtype}")
     if _is_mx(a):
         out_dtype = out_dtype or torch.bfloat16
         if a.device.type == "cuda":
@@ -236,6 +243,32 @@ def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     from mxmoe.kernels import dispatch
 
     return dispatch.bf16_grouped_mm(dispatch.expand_bf16(a), dispatch.expand_bf16(b), offs, out_dtype)
+
+
+def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
+    """grouped_linear's ``x_mx`` / ``x_wgrad`` contract (see there); raises TypeError / ValueError."""
+    for name, t in (("x_mx", x_mx), ("x_wgrad", x_wgrad)):
+        if t is None:
+            continue
+        if not _is_mx(t):
+            raise TypeError(f"{name} must be an MXTensor, got {type(t).__name__}")
+        if not recipe.mxfp8:
+            raise ValueError(f"{name} is for MXFP8 recipes; the {recipe.name} recipe does not quantize")
+        if t.shape != x.shape or t.block != (1, BLOCK) or t.scale_rule != recipe.scale_rule:
+            raise ValueError(f"{name} must be x {tuple(x.shape)} in 1x32 blocks with the recipe's "
+                             f"{recipe.scale_rule!r} rule, got {t!r}")
+    if x_mx is not None and x_mx.axis != 1:
+        raise ValueError(f"x_mx must be x quantized along K (axis 1), got axis {x_mx.axis}")
+    if x_wgrad is not None:
+        if x_wgrad.axis != 0 or x_mx is not None or not recipe.wgrad_mxfp8:
+            raise ValueError(f"x_wgrad must be x quantized along tokens (axis 0), without x_mx, under a recipe "
+                             f"with MX wgrad; got axis {x_wgrad.axis} under {recipe.name}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"with x_wgrad, x must be bfloat16 (its own BF16 MX values), got {x.dtype}")
+        xq = quantize(x.detach(), axis=-1, scale_rule=recipe.scale_rule).dequantize(torch.float32).to(x.dtype)
+        if not bool(((xq == x) | (xq.isnan() & x.isnan())).all()):
+            raise ValueError("with x_wgrad, x must hold its own MX values along K (e.g. from ops.swiglu or "
+                             "ops.permute_tokens); quantizing x changes it")
 
 
 class _MXGroupedLinear(torch.autograd.Function):
@@ -333,15 +366,17 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         x_mx: optional, ``x`` already quantized along K (e.g. tokens received in MXFP8 from an
             expert-parallel dispatch; ``x`` is then its dequantized value, the autograd handle):
             fprop uses it as is, with no second quantization.
-        x_wgrad: optional (MXFP8 recipes with MX wgrad): ``x`` is already its BF16 MX values along K
-            (exact, e.g. from :func:`swiglu`) and ``x_wgrad`` its FP8 copy along tokens
-            (``[M, K]``, axis 0, ``M % 32 == 0``): fprop uses ``x`` as is and wgrad ``x_wgrad``.
+        x_wgrad: optional (MXFP8 recipes with MX wgrad): ``x`` is bfloat16 holding its own MX values
+            along K (exact, e.g. from :func:`swiglu` or :func:`permute_tokens`) and ``x_wgrad`` its
+            FP8 copy along tokens (``[M, K]``, axis 0, ``M % 32 == 0``): fprop uses ``x`` and wgrad
+            ``x_wgrad`` without quantizing again. ``validate`` checks that x is unchanged by
+            quantization (so every route computes the same product).
     Returns:
         ``[M, N]`` in ``x.dtype``.
     Raises:
         ValueError: shape mismatch, K or N not divisible by 32 under MXFP8, bad offsets, MX-wgrad
-            groups not on 32-row boundaries.
-        TypeError: non-float inputs.
+            groups not on 32-row boundaries, ``x_mx`` / ``x_wgrad`` not matching x and the recipe.
+        TypeError: non-float inputs, ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
 
     Under ``mxfp8_bf16_wgrad`` dW comes from BF16 ``torch._grouped_mm``, which writes BF16: it is
     rounded to BF16 as in the ``bf16`` recipe.
@@ -362,12 +397,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
                 f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {BLOCK}: every "
                 f"expert group must end on a multiple of {BLOCK} rows (pad the groups, as mxmoe.MoE does), "
                 f"got offs {offs.tolist()}")
-        if x_mx is not None and (x_mx.shape != x.shape or x_mx.axis != 1 or x_mx.block != (1, BLOCK)):
-            raise ValueError(f"x_mx must be x quantized along K with 1x32 blocks; got {x_mx!r} for x {tuple(x.shape)}")
-        if x_wgrad is not None and (x_wgrad.shape != x.shape or x_wgrad.axis != 0 or x_mx is not None
-                                    or not (recipe.mxfp8 and recipe.wgrad_mxfp8)):
-            raise ValueError(f"x_wgrad must be x quantized along tokens, without x_mx, under an MXFP8 recipe with "
-                             f"MX wgrad; got {x_wgrad!r} for x {tuple(x.shape)} under {recipe.name}")
+        _check_prequantized(x, x_mx, x_wgrad, recipe)
         if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd
             return x.new_zeros(0, w.shape[1]) + (x.sum() + w.sum()).to(x.dtype) * 0
         end = int(offs[-1]) if offs.numel() else 0
@@ -449,6 +479,9 @@ def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: 
     ``"0"`` disables the fused kernel (e.g. to time the layer with and without it in one run).
     """
     recipe = get_recipe(recipe)
+    if x2.dim() != 2 or slot_rows.dim() != 1 or slot_rows.numel() != x2.shape[0] * top_k:
+        raise ValueError(f"permute_tokens expects x2 [T, D] and slot_rows [T*top_k]; got {tuple(x2.shape)}, "
+                         f"{tuple(slot_rows.shape)} with top_k={top_k}")
     D = x2.shape[-1]
     if (w_next is not None and os.environ.get("MXMOE_FUSED_PERMUTE", "1") != "0" and x2.is_cuda
             and x2.dtype == torch.bfloat16 and x2.dim() == 2 and recipe.mxfp8 and recipe.wgrad_mxfp8
@@ -471,6 +504,8 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
     ``(F.silu(gate) * up, None)``. Gradients flow to h either way.
     """
     recipe = get_recipe(recipe)
+    if h.dim() < 1 or h.shape[-1] % 2:
+        raise ValueError(f"swiglu expects h [..., 2F] (gate and up halves), got shape {tuple(h.shape)}")
     f = h.shape[-1] // 2
     if (w_next is not None and h.is_cuda and h.dtype == torch.bfloat16 and h.dim() == 2 and recipe.mxfp8
             and recipe.wgrad_mxfp8 and h.shape[0] % BLOCK == 0 and f % BLOCK == 0

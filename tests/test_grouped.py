@@ -180,3 +180,60 @@ def test_bf16_odd_shapes_fall_back_to_the_reference():
     a, b = torch.randn(10, 33, dtype=torch.bfloat16), torch.randn(2, 33, 7, dtype=torch.bfloat16)
     out = grouped_mm(a, b, offsets([4, 6]))  # 16-byte strides impossible: torch._grouped_mm would refuse
     assert out.shape == (10, 7) and rel(out, loop_2d3d(a, b, [4, 6])) < 1e-2
+
+
+def test_bad_inputs_give_clear_errors(monkeypatch):
+    """Errors found by the session-2 review: each names the problem instead of failing deep inside."""
+    from mxmoe import ops
+    from mxmoe.kernels import dispatch
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 64, generator=g)
+    w = torch.randn(2, 32, 64, generator=g)
+    offs = offsets([32, 32])
+    xq = mxmoe.quantize(x, axis=0)
+    with pytest.raises(TypeError, match="x_wgrad must be an MXTensor"):
+        grouped_linear(x, w, offs, "mxfp8", x_wgrad=x)
+    with pytest.raises(TypeError, match="must be bfloat16"):
+        grouped_linear(x, w, offs, "mxfp8", x_wgrad=xq)
+    with pytest.raises(ValueError, match="own MX values"):
+        grouped_linear(x.bfloat16(), w, offs, "mxfp8", x_wgrad=mxmoe.quantize(x.bfloat16(), axis=0))
+    with pytest.raises(ValueError, match="does not quantize"):
+        grouped_linear(x, w, offs, "bf16", x_mx=mxmoe.quantize(x))
+    with pytest.raises(ValueError, match="'rceil' rule"):
+        grouped_linear(x, w, offs, "mxfp8", x_mx=mxmoe.quantize(x, scale_rule="floor"))
+    with pytest.raises(TypeError, match="out_dtype"):
+        grouped_mm(mxmoe.quantize(x), mxmoe.quantize(w).mT, offs, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        grouped_mm(mxmoe.quantize(x.t().contiguous()), mxmoe.quantize(x, axis=0), offsets([16, 48]))
+    with pytest.raises(ValueError, match="slot_rows"):
+        ops.permute_tokens(x, torch.arange(64), 128, top_k=2)  # 64 tokens x top_k 2 need 128 slots
+    with pytest.raises(ValueError, match="gate and up"):
+        ops.swiglu(torch.randn(4, 33))
+    with pytest.raises(TypeError, match="axis must be an int"):
+        mxmoe.quantize(x, axis=1.0)
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        mxmoe.MoE(64, 64, 4, 1.5)
+    with pytest.raises(ValueError, match="last dim"):
+        mxmoe.MoE(64, 64, 4, 2)(torch.tensor(1.0))
+    monkeypatch.setenv("MXMOE_SM90_GEMM", "GLUON")
+    with pytest.raises(ValueError, match="MXMOE_SM90_GEMM"):
+        dispatch.sm90_gemm_backend(1)
+
+
+def test_x_wgrad_with_mx_values_equals_plain_call():
+    """grouped_linear(x_wgrad=...) on x that holds its MX values: the same product and gradients
+    as the plain call (which quantizes x itself)."""
+    g = torch.Generator().manual_seed(6)
+    xv = mxmoe.quantize(torch.randn(96, 64, generator=g).bfloat16()).dequantize(torch.float32).bfloat16()
+    w = torch.randn(3, 32, 64, generator=g)
+    offs = offsets([32, 0, 64])
+    outs = []
+    for pre in (False, True):
+        x = xv.clone().requires_grad_()
+        wg = w.clone().requires_grad_()
+        y = grouped_linear(x, wg, offs, "mxfp8", x_wgrad=mxmoe.quantize(xv, axis=0) if pre else None)
+        y.float().square().sum().backward()
+        outs.append((y, x.grad, wg.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -273,19 +273,22 @@ def _case_wide_k_scale_cols(Q, dev, gen):
 
 
 def _case_quantize_mx(Q, dev, gen):
-    """quantize_mx: the formats.quantize contract (up to .contiguous()) for every covered case."""
+    """dispatch.quantize_cuda (what mxmoe.quantize runs on CUDA, through the custom ops): the
+    formats.quantize contract (up to .contiguous()) for every covered case."""
+    from mxmoe.kernels import dispatch
+
     x = with_special_blocks(wide_randn((2, 64, 96), torch.bfloat16, "cpu", gen), -1).to(dev)
     for axis in (-1, -2, 2, 1):
         for block in (32, (32, 32)):
             for rule in RULES:
-                got = Q.quantize_mx(x, axis, rule, block)
+                got = dispatch.quantize_cuda(x, axis, rule, block)
                 want = quantize(x.cpu(), axis, rule, block)
-                tag = f"quantize_mx axis={axis} block={block} {rule}"
+                tag = f"quantize_cuda axis={axis} block={block} {rule}"
                 assert got is not None and got.axis == want.axis and got.block == want.block, tag
                 same_bytes(got.data.contiguous(), want.data, tag + " data")
                 same_bytes(got.scale.contiguous(), want.scale, tag + " scale")
-    assert Q.quantize_mx(x, 0) is None  # the batch axis: not a kernel case
-    assert Q.quantize_mx(x.to(torch.float64), -1) is None
+    assert dispatch.quantize_cuda(x, 0, "rceil", 32) is None  # the batch axis: not a kernel case
+    assert dispatch.quantize_cuda(x.to(torch.float64), -1, "rceil", 32) is None
 
 
 def _case_columnwise_families(Q, dev, gen, tag="families"):
@@ -460,11 +463,11 @@ def test_gpu_real_shapes(dtype):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("key", ["row", "col", "colrow", "colrow32", "grouped"])
-def test_gpu_candidate_configs(key, monkeypatch):
-    """The tile configs the H200 sweep found faster (quantize.CANDIDATE_CONFIGS), bit-exact."""
+def test_gpu_tuned_configs(key):
+    """Every tile config in use (quantize._TUNED, from the H200 sweeps) on real-size inputs, bit-exact."""
     from mxmoe.kernels import quantize as Q
 
-    monkeypatch.setitem(Q._TUNED, key, Q.CANDIDATE_CONFIGS[key])
+    assert key in Q._TUNED
     gen = torch.Generator().manual_seed(11)
     x = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), -1).cuda()
     w = wide_randn((4, 1536, 2048), torch.bfloat16, "cpu", gen).cuda()

@@ -97,12 +97,19 @@ def sm90_gemm_backend(weight_block: int) -> str:
     ``"gluon"``: our warp-specialized MXFP8 kernel (FP8 wgmma + promotion every 32,
     :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`). ``"bf16"``: exact expansion of the MX operands
     to BF16 (:mod:`mxmoe.kernels.dequantize`) and BF16 ``torch._grouped_mm``. Chosen by the
-    environment variable ``MXMOE_SM90_GEMM`` (``gluon`` / ``bf16``); by default the route that
-    measured faster on an H200 for the weight block (benchmarks/results/h200/grouped_gemm_routes.json).
+    environment variable ``MXMOE_SM90_GEMM`` (``gluon`` / ``bf16`` / ``auto``); by default the route
+    that measured faster on an H200 for the weight block (benchmarks/results/h200/grouped_gemm_routes.json).
+    Only the ``bf16`` route uses the quantize-dequantize kernels and the fused SwiGLU / permutation
+    (they write BF16 operands); ``gluon`` reads FP8 operands from the quantization kernels.
+
+    Raises:
+        ValueError: ``MXMOE_SM90_GEMM`` set to anything else.
     """
     choice = os.environ.get("MXMOE_SM90_GEMM", "auto")
     if choice in ("gluon", "bf16"):
         return choice
+    if choice != "auto":
+        raise ValueError(f"MXMOE_SM90_GEMM must be 'gluon', 'bf16' or 'auto', got {choice!r}")
     return _SM90_DEFAULT[weight_block]
 
 

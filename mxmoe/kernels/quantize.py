@@ -75,7 +75,7 @@ class TileConfig(NamedTuple):
     persistent: bool
 
 
-def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int) -> TileConfig:
+def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
     """Launch config of the 2D kernels, by family (``_TUNED`` key, default below).
 
     A [BM, BK] tile is 8-32 KB of BF16 input (16-byte loads along K, BM a multiple of 32 rows);
@@ -88,24 +88,20 @@ def _config_2d(M: int, K: int, row: bool, col: bool, tile32: bool, itemsize: int
     return _TUNED.get(key) or TileConfig(32, 256, 4, True)
 
 
-# Faster in an H200 sweep (benchmarks/results/h200/quantize.json, rows "sweep ..."; same kernel
-# source): columnwise 43% -> 68% of copy, dual 50% -> 57%, 32x32 46% -> 49-57%, rowwise 85-89% ->
-# 87-90%, grouped 38% -> 47% on 16384x5120. tests/test_quantize_kernels.py::test_gpu_candidate_configs
-# checks each bit for bit against the reference (passed on an H200, 2026-11-30, session 2).
-CANDIDATE_CONFIGS: dict[str, TileConfig] = {
-    "row": TileConfig(32, 256, 4, False),  # session 2 sweep: 87-96% on every shape; 32x512/w8 fell to 61% on 16384x5120
-    "col": TileConfig(64, 64, 2, True),
+# Tile configs by kernel family ("row", "col", "colrow" = dual, "colrow32" = 32x32 tiles, "grouped";
+# a missing key uses the default of _config_2d): the best of the H200 sweeps
+# (`bench_quantize.py --sweep`, results/h200/quantize_sweep.json, 2026-11-30), each checked bit for
+# bit against the reference on the GPU by tests/test_quantize_kernels.py::test_gpu_tuned_configs.
+_TUNED: dict[str, TileConfig] = {
+    "row": TileConfig(32, 256, 4, False),  # 86-96% of copy on every shape (32x512/w8 fell to 61% on 16384x5120)
+    "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%)
     "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
     "grouped": TileConfig(32, 256, 4, False),
 }
 
-# Tile configs in use by kernel family; keys "row", "col", "colrow" (dual), "colrow32" / "row32"
-# (32x32 tiles), "grouped"; a missing key uses the default above.
-_TUNED: dict[str, TileConfig] = dict(CANDIDATE_CONFIGS)
 
-
-def _config_grouped(K: int) -> TileConfig:
+def _config_grouped() -> TileConfig:
     """Launch config of mx_quantize_grouped_kernel ("tile" kind; BM must divide 128)."""
     if _interpreting():
         return TileConfig(128, 256, 4, True)
@@ -182,7 +178,7 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev)
         sc = _alloc_scales(B, K // BLOCK if compact else K, M // BLOCK, layout, dev)
     if x3.numel() > 0 and B > 0:
-        cfg = _config_2d(M, K, row, col, tile32, x.element_size())
+        cfg = _config_2d(row, col, tile32)
         BM = cfg.BM
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
@@ -351,7 +347,7 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
     scale = torch.empty(padded_rows * triton_cdiv(cols, 4) * 4, dtype=torch.uint8, device=x.device)
     n_tiles = max(triton_cdiv(M, 128) + E, padded_rows // 128)
     if n_tiles > 0 and K > 0:
-        BM, BK, num_warps, persistent = _config_grouped(K)[:4]
+        BM, BK, num_warps, persistent = _config_grouped()
         n_row_tiles = n_tiles * (128 // BM)
         total = n_row_tiles * triton_cdiv(triton_cdiv(K, 128) * 128, BK)
         EP = max(16, 1 << max(E - 1, 0).bit_length())
@@ -366,39 +362,6 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
 # ----------------------------------------------------------------------------------------------
 # MXTensor views
 # ----------------------------------------------------------------------------------------------
-
-def quantize_mx(x: torch.Tensor, axis: int = -1, scale_rule: ScaleRule | str = "rceil",
-                block: tuple[int, int] | int = BLOCK) -> MXTensor | None:
-    """Kernel twin of :func:`mxmoe.formats.quantize` for the cases the kernels cover, else None.
-
-    Covered: CUDA bfloat16/float16/float32 tensors of 2 or 3 dims quantized along one of the last
-    two dims, 1x32 or 32x32 blocks. Data and scales equal the reference's bit for bit; for the
-    second-to-last axis the data is a transposed view of K-major storage (``.contiguous()`` gives
-    the reference's layout; ``.mT`` of the result is contiguous, what dgrad/wgrad read).
-    """
-    if not isinstance(x, torch.Tensor) or x.dtype not in _INPUT_DTYPES or x.dim() not in (2, 3):
-        return None
-    if not (x.is_cuda or _interpreting()):
-        return None
-    rule = ScaleRule(scale_rule).value
-    block = (1, block) if isinstance(block, int) else tuple(block)
-    nd = x.dim()
-    axis = axis % nd
-    M, K = x.shape[-2], x.shape[-1]
-    if block == (1, BLOCK):
-        if axis == nd - 1 and K % BLOCK == 0:
-            return rowwise_mxtensor(*quantize_rowwise(x, rule), rule)
-        if axis == nd - 2 and M % BLOCK == 0:
-            return columnwise_mxtensor(*quantize_columnwise(x, rule), rule)
-    elif block == (BLOCK, BLOCK) and M % BLOCK == 0 and K % BLOCK == 0:
-        if axis == nd - 1:
-            data, scale = quantize_32x32(x, rule, transposed=False)
-            return rowwise_mxtensor(data, scale, rule, block)
-        if axis == nd - 2:
-            _, _, data_t, scale_t = quantize_32x32(x, rule)
-            return columnwise_mxtensor(data_t, scale_t, rule, block)
-    return None
-
 
 def rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, scale_rule: str = "rceil",
                      block: tuple[int, int] = (1, BLOCK)) -> MXTensor:
@@ -421,9 +384,10 @@ def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule:
 # ----------------------------------------------------------------------------------------------
 
 def _config_qdq(col: bool) -> tuple[int, int, int, bool]:
-    """(BM, BK, num_warps, persistent) of the QDQ kernels (tile kernels, mx_quantize_kernel's
-    structure): the H200-swept tiles of the quantize tile kernel of the same orientations
-    (rowwise "row", with a columnwise output "colrow"); not swept for QDQ itself yet."""
+    """(BM, BK, num_warps, persistent) of the QDQ kernels (mx_quantize_kernel's structure, BF16
+    outputs). Kept apart from ``_TUNED``: these exact values passed the QDQ GPU tests (2026-11-30);
+    with a columnwise output they are the quantize kernel's "colrow" tile, rowwise the quantize
+    kernel's earlier "row" tile (32x512/w8). Not swept for QDQ itself yet."""
     if _interpreting():
         return 128, 256, 4, True
     return (64, 64, 2, True) if col else (32, 512, 8, True)
