@@ -16,13 +16,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHECK = r"""
+PRELUDE = r"""
 import sys, torch
 sys.path.insert(0, "tests")
 from test_quantize_kernels import wide_randn, with_special_blocks
-from mxmoe import formats
 from mxmoe.kernels import quantize as Q
-from mxmoe.kernels.dequantize import dequantize_bf16
 
 gen = torch.Generator().manual_seed(0)
 
@@ -31,6 +29,22 @@ def same(got, want, what):
     assert g.shape == w.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     bad = (g != w).nonzero()
     assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}"
+"""
+
+
+def run_interpreted(script: str) -> None:
+    """Run PRELUDE + script under TRITON_INTERPRET=1 in a fresh process (the flag must be set before
+    triton is imported); it must exit 0 and print "ok"."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + script], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+CHECK = r"""
+from mxmoe import formats
+from mxmoe.kernels.dequantize import dequantize_bf16
 
 def expand(mx):  # the composition the QDQ kernels replace, in the logical [.., M, K] orientation
     if mx.axis == mx.data.dim() - 1:
@@ -117,27 +131,12 @@ print("ok", n)
 
 
 def test_qdq_kernels_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    run_interpreted(CHECK)
 
 
 PERMUTE_CHECK = r"""
-import sys, torch
-sys.path.insert(0, "tests")
-from test_quantize_kernels import wide_randn, with_special_blocks
 from mxmoe import ops
-from mxmoe.kernels import quantize as Q
 from mxmoe.moe import permute_plan
-
-gen = torch.Generator().manual_seed(0)
-
-def same(got, want, what):
-    g, w = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
-    assert g.shape == w.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    bad = (g != w).nonzero()
-    assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}"
 
 def old_permute(x2, slot_rows, M, top_k):  # what MoE.permute built before the fusion
     return x2.new_zeros(M, x2.shape[1]).index_copy(0, slot_rows, x2.repeat_interleave(top_k, dim=0))
@@ -211,11 +210,7 @@ print("ok", n)
 def test_permute_qdq_interpreter():
     """The fused permute + dual QDQ kernel equals qdq_dual of the buffer MoE.permute built before it,
     bit for bit; its autograd backward equals the old composition's gradient."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", PERMUTE_CHECK], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    run_interpreted(PERMUTE_CHECK)
 
 
 def test_qdq_fake_shapes():
