@@ -416,6 +416,16 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
 # --------------------------------------------------------------------------------------------
 # SwiGLU between the expert products
 # --------------------------------------------------------------------------------------------
+def _fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: torch.Tensor | None) -> bool:
+    """Whether a fused kernel may hand the product with ``w_next`` its ``[rows, cols]`` operand
+    directly as BF16 MX values plus the FP8 copy along rows (``x_wgrad``): that product runs on the
+    Hopper expansion route under an MXFP8 recipe with MX wgrad, x is 2D bfloat16, and both sizes
+    are multiples of 32."""
+    return (w_next is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and recipe.mxfp8
+            and recipe.wgrad_mxfp8 and rows % BLOCK == 0 and cols % BLOCK == 0
+            and _expansion(x, w_next, recipe) is not None)
+
+
 class _SwiGLUQDQ(torch.autograd.Function):
     """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual QDQ (forward, one read of
     h, a never written); backward: the torch SwiGLU gradient (the ops autograd runs for
@@ -483,9 +493,7 @@ def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: 
         raise ValueError(f"permute_tokens expects x2 [T, D] and slot_rows [T*top_k]; got {tuple(x2.shape)}, "
                          f"{tuple(slot_rows.shape)} with top_k={top_k}")
     D = x2.shape[-1]
-    if (w_next is not None and os.environ.get("MXMOE_FUSED_PERMUTE", "1") != "0" and x2.is_cuda
-            and x2.dtype == torch.bfloat16 and x2.dim() == 2 and recipe.mxfp8 and recipe.wgrad_mxfp8
-            and rows % BLOCK == 0 and D % BLOCK == 0 and _expansion(x2, w_next, recipe) is not None):
+    if os.environ.get("MXMOE_FUSED_PERMUTE", "1") != "0" and _fused_qdq(x2, rows, D, recipe, w_next):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 
         xp16, data_t, scale_t = _PermuteQDQ.apply(x2, slot_rows, rows, top_k, recipe.scale_rule)
@@ -507,9 +515,7 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
     if h.dim() < 1 or h.shape[-1] % 2:
         raise ValueError(f"swiglu expects h [..., 2F] (gate and up halves), got shape {tuple(h.shape)}")
     f = h.shape[-1] // 2
-    if (w_next is not None and h.is_cuda and h.dtype == torch.bfloat16 and h.dim() == 2 and recipe.mxfp8
-            and recipe.wgrad_mxfp8 and h.shape[0] % BLOCK == 0 and f % BLOCK == 0
-            and _expansion(h, w_next, recipe) is not None):
+    if _fused_qdq(h, h.shape[0], f, recipe, w_next):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 
         a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule)
