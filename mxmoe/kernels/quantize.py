@@ -192,8 +192,7 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
                       SOFT_CVT=_interpreting())
         kernel = _kernels().mx_quantize_kernel
         kwargs.update(BM=BM, num_warps=cfg.num_warps)
-        grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if cfg.persistent else total,)
-        kernel[grid](*args, **kwargs)
+        _launch_tiles(kernel, args, kwargs, total, cfg.persistent, x.device)
     out = []
     if row:
         out += [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)]
@@ -207,6 +206,13 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 _OCCUPANCY: dict = {}
+
+
+def _launch_tiles(kernel, args, kwargs, total: int, persistent: bool, device: torch.device) -> None:
+    """Launch ``kernel`` over ``total`` tiles: persistent (as many programs as fit, each looping over
+    tiles, see :func:`_persistent_grid`) or one program per tile."""
+    grid = (_persistent_grid(kernel, args, kwargs, total, device) if persistent else total,)
+    kernel[grid](*args, **kwargs)
 
 
 def _persistent_grid(kernel, args, kwargs, total: int, device: torch.device) -> int:
@@ -354,8 +360,7 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
         args = (x, data, scale, offs, M, K, x.stride(0), x.stride(1), E, n_row_tiles, padded_rows, rceil)
         kwargs = dict(EP=EP, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
         kernel = _kernels().mx_quantize_grouped_kernel
-        grid = (_persistent_grid(kernel, args, kwargs, total, x.device) if persistent else total,)
-        kernel[grid](*args, **kwargs)
+        _launch_tiles(kernel, args, kwargs, total, persistent, x.device)
     return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_offs
 
 
@@ -383,14 +388,14 @@ def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule:
 # Quantize-dequantize (QDQ): BF16 MX values from one read, for the Hopper expansion route
 # ----------------------------------------------------------------------------------------------
 
-def _config_qdq(col: bool) -> tuple[int, int, int, bool]:
-    """(BM, BK, num_warps, persistent) of the QDQ kernels (mx_quantize_kernel's structure, BF16
+def _config_qdq(col: bool) -> TileConfig:
+    """Launch config of the QDQ kernels (mx_quantize_kernel's structure, BF16
     outputs). Kept apart from ``_TUNED``: these exact values passed the QDQ GPU tests (2026-11-30);
     with a columnwise output they are the quantize kernel's "colrow" tile, rowwise the quantize
     kernel's earlier "row" tile (32x512/w8). Not swept for QDQ itself yet."""
     if _interpreting():
-        return 128, 256, 4, True
-    return (64, 64, 2, True) if col else (32, 512, 8, True)
+        return TileConfig(128, 256, 4, True)
+    return TileConfig(64, 64, 2, True) if col else TileConfig(32, 512, 8, True)
 
 
 def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col_fp8: bool, tile32: bool,
@@ -414,8 +419,7 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
         kwargs = dict(ROW_BF16=row_bf16, COL_BF16=col_bf16, COL_FP8=col_fp8, TILE32=tile32, BM=BM, BK=BK,
                       SOFT_CVT=_interpreting(), num_warps=num_warps)
         kernel = _kernels().mx_qdq_kernel
-        grid = (_persistent_grid(kernel, args, kwargs, total, dev) if persistent else total,)
-        kernel[grid](*args, **kwargs)
+        _launch_tiles(kernel, args, kwargs, total, persistent, dev)
 
     def finish(t, dtype=None):
         t = t[0] if was_2d else t
@@ -505,8 +509,7 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
         args = (h, a16, qc, sc, M, F, h.stride(0), h.stride(1), _rule(scale_rule))
         kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
         kernel = _kernels().mx_swiglu_qdq_kernel
-        grid = (_persistent_grid(kernel, args, kwargs, total, dev) if persistent else total,)
-        kernel[grid](*args, **kwargs)
+        _launch_tiles(kernel, args, kwargs, total, persistent, dev)
     return a16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
 
 
@@ -548,6 +551,5 @@ def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str 
         args = (x, src.contiguous(), xp16, qc, sc, M, K, T, x.stride(0), x.stride(1), _rule(scale_rule))
         kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
         kernel = _kernels().mx_permute_qdq_kernel
-        grid = (_persistent_grid(kernel, args, kwargs, total, dev) if persistent else total,)
-        kernel[grid](*args, **kwargs)
+        _launch_tiles(kernel, args, kwargs, total, persistent, dev)
     return xp16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
