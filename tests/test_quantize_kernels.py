@@ -516,6 +516,135 @@ def test_gpu_past_2_31_elements():
     same_bytes(sb[-128 * (K // 32):], to_blocked(quantize(x[-(M % 128):], axis=-1).scale), "blocked scales, last tile")
 
 
+# ------------------------------------------------------------------------------------------------
+# GPU: the Gluon column kernel (mxmoe.kernels.quantize_gluon, MXMOE_QUANT_GLUON=1)
+# ------------------------------------------------------------------------------------------------
+
+def _gluon_ready() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        from mxmoe.kernels import quantize_gluon
+    except Exception:
+        return False
+    return quantize_gluon.HAS_GLUON
+
+
+needs_gluon = pytest.mark.skipif(not _gluon_ready(), reason="needs CUDA sm_90+ and triton with Gluon")
+
+
+@pytest.fixture
+def gluon_on(monkeypatch):
+    """MXMOE_QUANT_GLUON=1 and a count of Gluon launches (so a silent Triton fallback fails the test)."""
+    from mxmoe.kernels import quantize_gluon as G
+
+    monkeypatch.setenv("MXMOE_QUANT_GLUON", "1")
+    calls = []
+    real = G.launch
+
+    def counting(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(G, "launch", counting)
+    return calls
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", ["columnwise", "dual", "batched_weights", "columnwise_families"])
+def test_gpu_gluon_cases(case, gluon_on):
+    """The interpreter/GPU cases (3 dtypes x rules x layouts, special blocks, odd shapes) on the Gluon kernel."""
+    _poison_cuda_cache()
+    gen = torch.Generator().manual_seed(4321 + len(case))
+    from mxmoe.kernels import quantize as Q
+
+    CASES[case](Q, "cuda", gen)
+    assert gluon_on, "the Gluon kernel was not used"
+
+
+def _special_both(x):
+    return with_special_blocks(with_special_blocks(x, -1), -2 if x.dim() == 2 else 1)
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32, torch.float16))
+def test_gpu_gluon_shapes(dtype, gluon_on):
+    """Odd shapes (M, K multiples of 32 but not of the tile), batched weights whose M is not a
+    multiple of the tile (batch boundaries inside a TMA box), zero / huge / NaN / Inf blocks,
+    both rules, all scale layouts: columnwise and dual equal the reference byte for byte."""
+    from mxmoe.kernels import quantize as Q
+
+    gen = torch.Generator().manual_seed(99)
+    shapes = [(96, 160), (32, 32), (4128, 2080), (3, 96, 160), (4, 1536, 2048)]
+    if dtype == torch.bfloat16:
+        shapes.append((4096, 7168))
+    for shape in shapes:
+        x = wide_randn(shape, dtype, "cpu", gen)
+        if dtype == torch.float16:  # keep inside FP16's range (specials add their own inf/nan)
+            x = (torch.randn(shape, generator=gen) * 100).to(dtype)
+        x = _special_both(x)
+        x.view(-1)[: 32 * shape[-1]] = 0  # the first 32 rows: zero blocks both ways
+        x = x.cuda()
+        for rule in RULES:
+            _poison_cuda_cache()
+            tag = f"{dtype} {shape} {rule}"
+            check_columnwise(Q, x, rule, "row_major", tag)
+            check_dual(Q, x, rule, "blocked" if rule == "rceil" else "sm90", tag)
+        check_columnwise(Q, x, "floor", "blocked", tag)
+    assert gluon_on, "the Gluon kernel was not used"
+    # inputs the Gluon kernel cannot take (TMA): fall back to the Triton kernel, still exact
+    n = len(gluon_on)
+    base = wide_randn((96, 256), torch.bfloat16, "cpu", gen).cuda()
+    check_columnwise(Q, base.t(), "rceil", "row_major", "transposed input (fallback)")
+    check_dual(Q, base[:, ::2], "rceil", "row_major", "strided input (fallback)")
+    assert len(gluon_on) == n
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("cfg", ["4,4,4", "2,4,1", "8,2,4", "4,2,8", "4,3,4"])
+def test_gpu_gluon_configs(cfg, gluon_on, monkeypatch):
+    """Every Gluon launch config the benchmark sweeps (MXMOE_QUANT_GLUON_CFG=W,STAGES,GM), bit-exact."""
+    from mxmoe.kernels import quantize as Q
+
+    monkeypatch.setenv("MXMOE_QUANT_GLUON_CFG", cfg)
+    gen = torch.Generator().manual_seed(13)
+    x = _special_both(wide_randn((2080, 1184), torch.bfloat16, "cpu", gen)).cuda()
+    w = wide_randn((3, 544, 1024), torch.bfloat16, "cpu", gen).cuda()
+    for rule in RULES:
+        _poison_cuda_cache()
+        check_columnwise(Q, x, rule, "row_major", f"cfg {cfg} act")
+        check_dual(Q, x, rule, "blocked", f"cfg {cfg} act")
+        check_dual(Q, w, rule, "row_major", f"cfg {cfg} weights")
+        check_columnwise(Q, w, rule, "sm90", f"cfg {cfg} weights")
+    assert gluon_on
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_gpu_gluon_past_2_31_elements(gluon_on):
+    """Dual of x [65600, 32768] bf16 (2.15e9 elements) on the Gluon kernel: output offsets past 2^31."""
+    from mxmoe.kernels import quantize as Q
+
+    free, _ = torch.cuda.mem_get_info()
+    if free < 24 * 2**30:
+        pytest.skip("needs ~24 GiB of free GPU memory")
+    M, K = 65600, 32768
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    x[-7:, -40:] *= 2.0**40
+    x[-1, -3] = float("nan")
+    d, s, dt, st = Q.quantize_dual(x, "rceil", "row_major")
+    tail_r = quantize(x[-64:], axis=-1)
+    same_bytes(d[-64:], tail_r.data, "rows past 2^31 data")
+    same_bytes(s[-64:], tail_r.scale, "rows past 2^31 scale")
+    tail_c = quantize(x[:, -64:], axis=0)
+    same_bytes(dt[-64:], tail_c.data.t(), "transposed rows past 2^31 data")
+    same_bytes(st[-64:], tail_c.scale.t(), "transposed rows past 2^31 scale")
+    assert gluon_on
+
+
 if __name__ == "__main__" and "--cases" in sys.argv:
     results = run_cases("cuda" if "--cuda" in sys.argv else "cpu")
     print("RESULTS " + json.dumps(results))
