@@ -6,7 +6,7 @@ M = padded routed rows (T * top_k plus per-expert padding).
     x [T, D] --router--> probs [T, E] --top_k--> (expert ids, weights) [T, top_k]
       --permute--> xp [M, D], rows grouped by expert, each group padded to `align` rows
       --grouped_linear(w13)--> h [M, 2F] --SwiGLU--> a [M, F] --grouped_linear(w2)--> yp [M, D]
-      --gather + weighted sum over top_k--> y [T, D]
+      --combine: gather + weighted sum over top_k (FP32)--> y [T, D]
 
 The padded buffer has a static size (no host sync): ``M = ceil((T*top_k + E*(align-1)) / align) * align``;
 the slack rows are zero and belong to the last expert's group, so every row of every product is
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxmoe.formats import MXTensor
-from mxmoe.ops import grouped_linear, permute_tokens, swiglu
+from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -69,24 +69,6 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     ends = torch.cumsum(padded, 0)
     ends[-1] = M
     return slot_rows, ends.to(torch.int32), M, counts
-
-
-class _GatherRows(torch.autograd.Function):
-    """``src.index_select(0, index)`` for an ``index`` without repeats (each expert row feeds at most
-    one slot). The backward writes each gradient row to its source row (``index_copy``) instead of
-    autograd's ``index_add``, which accumulates with atomics; same values (rows no slot reads get
-    zero)."""
-
-    @staticmethod
-    def forward(ctx, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows = src.shape[0]
-        return src.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
 
 
 class MoE(nn.Module):
@@ -186,9 +168,11 @@ class MoE(nn.Module):
         xp, xp_wgrad = permute_tokens(x2, r.slot_rows, r.rows, self.top_k, self.recipe, self.w13)
         return xp, r.offs, xp_wgrad, r
 
-    def unpermute(self, yp: torch.Tensor, state, tokens: int) -> torch.Tensor:
-        """Expert outputs ``yp [M, D]`` -> each slot's output ``[T*top_k, D]`` (slot t*top_k + j)."""
-        return _GatherRows.apply(yp, state.slot_rows)
+    def unpermute(self, yp: torch.Tensor, state, r: Routing) -> torch.Tensor:
+        """Expert outputs ``yp [M, D]`` -> tokens ``[T, D]``: each token's top_k outputs weighted by
+        ``r.weights`` (:func:`~mxmoe.ops.combine`: on CUDA one kernel, and one for its backward).
+        ``state`` is what :meth:`permute` returned."""
+        return combine(yp, state.slot_rows, r.weights)
 
     def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None) -> torch.Tensor:
         """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same
@@ -206,12 +190,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]
-        T = x2.shape[0]
         r = self.route(x2)
         xp, offs, x_mx, state = self.permute(x2, r)  # [M, D]
         yp = self.experts_forward(xp, offs, x_mx)  # [M, D]
-        y = self.unpermute(yp, state, T).view(T, self.top_k, self.dim)
-        y = (y * r.weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [T, D]
+        y = self.unpermute(yp, state, r)  # [T, D]
         return y.view(shape).to(x.dtype)
 
     def extra_repr(self) -> str:

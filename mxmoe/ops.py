@@ -409,13 +409,42 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     if recipe.mxfp8:
         return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx, x_wgrad)
     dt = getattr(torch, recipe.compute_dtype)
-    y = grouped_mm(x.to(dt), w.to(dt).mT, offs, _validate=False)
+    if dt == torch.bfloat16 and w.dtype == torch.float32 and _layer_ops(w) is not None:
+        w16 = _ToBF16.apply(w)  # the same cast, its backward through the layer's cast kernel
+    else:
+        w16 = w.to(dt)
+    y = grouped_mm(x.to(dt), w16.mT, offs, _validate=False)
     return y.to(x.dtype)
+
+
+class _ToBF16(torch.autograd.Function):
+    """``w.to(torch.bfloat16)`` of an FP32 CUDA tensor whose backward casts the BF16 gradient to
+    FP32 with the layer's cast kernel, not torch's dtype-converting copy (that copy was 8-21% of the
+    bf16 layer's step on an H200, benchmarks/NOTES_moe_layer.md). Same values."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _layer_ops(g).to_float32(g)
 
 
 # --------------------------------------------------------------------------------------------
 # SwiGLU between the expert products
 # --------------------------------------------------------------------------------------------
+def _layer_ops(t: torch.Tensor):
+    """The layer kernels' custom ops (:mod:`mxmoe.kernels.layer`) for a CUDA tensor with triton
+    present, else None (the torch ops run). ``MXMOE_LAYER_KERNELS=0`` (read at every call) turns
+    them off, e.g. to time the layer with and without them in one run."""
+    if not t.is_cuda or os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0":
+        return None
+    from mxmoe.kernels import dispatch
+
+    return dispatch.layer_ops()
+
+
 def _fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: torch.Tensor | None) -> bool:
     """Whether a fused kernel may hand the product with ``w_next`` its ``[rows, cols]`` operand
     directly as BF16 MX values plus the FP8 copy along rows (``x_wgrad``): that product runs on the
@@ -443,9 +472,33 @@ class _SwiGLUQDQ(torch.autograd.Function):
     @staticmethod
     def backward(ctx, da, *_):
         (h,) = ctx.saved_tensors
-        gate, up = h.split(h.shape[1] // 2, dim=-1)
-        dgate = torch.ops.aten.silu_backward(da * up, gate)
-        return torch.cat([dgate, da * torch.nn.functional.silu(gate)], dim=-1), None
+        return _swiglu_backward(da, h), None
+
+
+def _swiglu_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dh ``[M, 2F]`` of ``a = F.silu(gate) * up`` from ``da [M, F]``: torch's autograd arithmetic,
+    from one pass of the layer kernel on CUDA for bf16 (bit for bit the same)."""
+    ops = _layer_ops(h)
+    if ops is not None and h.dtype == da.dtype == torch.bfloat16:
+        return ops.swiglu_backward(da, h)
+    gate, up = h.split(h.shape[1] // 2, dim=-1)
+    dgate = torch.ops.aten.silu_backward(da * up, gate)
+    return torch.cat([dgate, da * torch.nn.functional.silu(gate)], dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``a = F.silu(gate) * up`` of bf16 ``h [M, 2F]`` on CUDA: one kernel each way (h saved, silu
+    recomputed in backward); the same bits as the torch ops."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return _layer_ops(h).swiglu(h)
+
+    @staticmethod
+    def backward(ctx, da):
+        (h,) = ctx.saved_tensors
+        return _swiglu_backward(da, h)
 
 
 class _PermuteQDQ(torch.autograd.Function):
@@ -458,8 +511,7 @@ class _PermuteQDQ(torch.autograd.Function):
     def forward(ctx, x2, slot_rows, rows: int, top_k: int, scale_rule: str):
         from mxmoe.kernels import dispatch
 
-        src = torch.full((rows,), -1, dtype=torch.int32, device=x2.device)  # token of each row, -1: padding
-        src[slot_rows] = torch.arange(slot_rows.numel(), device=x2.device, dtype=torch.int32) // top_k
+        src = _row_tokens(slot_rows, rows, top_k)
         xp16, data_t, scale_t = dispatch.permute_qdq(x2, src, scale_rule)  # columnwise storage [D, M], [D, M/32]
         ctx.save_for_backward(slot_rows)
         ctx.top_k = top_k
@@ -469,8 +521,106 @@ class _PermuteQDQ(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dxp, *_):
         (slot_rows,) = ctx.saved_tensors
-        g = dxp.index_select(0, slot_rows)  # [T*top_k, D], slot t*top_k + j
-        return g.view(-1, ctx.top_k, g.shape[1]).sum(1), None, None, None, None
+        return _permute_backward(dxp, slot_rows, ctx.top_k), None, None, None, None
+
+
+def _row_slots(slot_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    """Inverse of ``slot_rows``: int32 ``[rows]``, the slot each row holds, -1 on padding rows."""
+    slot = torch.full((rows,), -1, dtype=torch.int32, device=slot_rows.device)
+    return slot.index_copy_(0, slot_rows, torch.arange(slot_rows.numel(), device=slot_rows.device, dtype=torch.int32))
+
+
+def _row_tokens(slot_rows: torch.Tensor, rows: int, top_k: int) -> torch.Tensor:
+    """int32 ``[rows]``: the token each row holds (slot // top_k), -1 on padding rows."""
+    slot = _row_slots(slot_rows, rows)
+    return torch.where(slot >= 0, slot // top_k, -1)
+
+
+def _permute_backward(dxp: torch.Tensor, slot_rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's gradient: the sum of its top_k slots' rows of ``dxp`` (FP32 sums, one rounding;
+    the ops autograd runs for ``repeat_interleave`` + ``index_copy``, so the same values)."""
+    ops = _layer_ops(dxp)
+    if ops is not None:
+        return ops.gather_sum(dxp, slot_rows, top_k, None)
+    g = dxp.index_select(0, slot_rows)  # [T*top_k, D], slot t*top_k + j
+    return g.view(-1, top_k, g.shape[1]).sum(1)
+
+
+class _Permute(torch.autograd.Function):
+    """Tokens gathered into the expert-ordered buffer on CUDA: one gather kernel (padding rows zero),
+    backward one gather-sum kernel; the same values as ``repeat_interleave`` + ``index_copy``."""
+
+    @staticmethod
+    def forward(ctx, x2, slot_rows, rows: int, top_k: int):
+        ctx.save_for_backward(slot_rows)
+        ctx.top_k = top_k
+        return _layer_ops(x2).gather_rows(x2, _row_tokens(slot_rows, rows, top_k), rows)
+
+    @staticmethod
+    def backward(ctx, dxp):
+        (slot_rows,) = ctx.saved_tensors
+        return _permute_backward(dxp, slot_rows, ctx.top_k), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """``src.index_select(0, index)`` for an ``index`` without repeats (each expert row feeds at most
+    one slot). The backward writes each gradient row to its source row (``index_copy``) instead of
+    autograd's ``index_add``, which accumulates with atomics; same values (rows no slot reads get
+    zero)."""
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = src.shape[0]
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
+
+
+class _Combine(torch.autograd.Function):
+    """The top-k combine on CUDA: one gather-sum kernel forward; backward one pass over the expert
+    rows writing their gradient and the router weights' gradient (see :func:`combine`)."""
+
+    @staticmethod
+    def forward(ctx, yp, slot_rows, weights, top_k: int):
+        w = weights.reshape(-1).to(torch.float32).contiguous()
+        ctx.save_for_backward(yp, slot_rows, w)
+        ctx.top_k, ctx.w_dtype = top_k, weights.dtype
+        return _layer_ops(yp).gather_sum(yp, slot_rows, top_k, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        yp, slot_rows, w = ctx.saved_tensors
+        dyp, dw = _layer_ops(yp).combine_backward(dy, w, yp, _row_slots(slot_rows, yp.shape[0]), ctx.top_k)
+        return dyp, None, dw.view(-1, ctx.top_k).to(ctx.w_dtype), None
+
+
+def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs back in token order, weighted over each token's top_k experts:
+    ``y[t] = sum_j weights[t, j] * yp[slot_rows[t*top_k + j]]``.
+
+    Args:
+        yp: ``[M, D]`` float expert outputs (rows grouped by expert, padding rows ignored).
+        slot_rows: ``[T*top_k]`` int64, distinct rows of yp (from :func:`mxmoe.moe.permute_plan`).
+        weights: ``[T, top_k]`` float router weights (gradients flow to them and to yp).
+    Returns:
+        ``[T, D]`` in yp's dtype; products and sums in FP32, rounded once (on CUDA one kernel; the
+        backward one pass over yp's rows: ``dyp = weights * dy`` rounded to yp's dtype, zero on
+        padding rows, and ``dweights[t, j] = <dy[t], yp[row]>`` in FP32).
+    Raises:
+        ValueError: shapes that do not match.
+    """
+    if yp.dim() != 2 or weights.dim() != 2 or slot_rows.shape != (weights.numel(),):
+        raise ValueError(f"combine expects yp [M, D], weights [T, top_k] and slot_rows [T*top_k]; got "
+                         f"{tuple(yp.shape)}, {tuple(weights.shape)}, {tuple(slot_rows.shape)}")
+    T, top_k = weights.shape
+    if _layer_ops(yp) is not None:
+        return _Combine.apply(yp, slot_rows, weights, top_k)
+    y = _GatherRows.apply(yp, slot_rows).view(T, top_k, yp.shape[1])
+    return (y.float() * weights.float().unsqueeze(-1)).sum(1).to(yp.dtype)
 
 
 def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: int,
@@ -498,6 +648,8 @@ def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: 
 
         xp16, data_t, scale_t = _PermuteQDQ.apply(x2, slot_rows, rows, top_k, recipe.scale_rule)
         return xp16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
+    if _layer_ops(x2) is not None:
+        return _Permute.apply(x2, slot_rows, rows, top_k), None
     src = x2.repeat_interleave(top_k, dim=0)  # [T*top_k, D], slot t*top_k + j
     return x2.new_zeros(rows, D).index_copy(0, slot_rows, src), None
 
@@ -520,5 +672,7 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
 
         a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule)
         return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
+    if h.dim() == 2 and h.dtype == torch.bfloat16 and _layer_ops(h) is not None:
+        return _SwiGLU.apply(h), None
     gate, up = h.split(f, dim=-1)
     return torch.nn.functional.silu(gate) * up, None

@@ -40,6 +40,7 @@ from torch import nn
 
 from mxmoe.formats import BLOCK, MXTensor
 from mxmoe.moe import MoE, Routing
+from mxmoe import ops
 from mxmoe.ops import quantize
 from mxmoe.recipes import Recipe
 
@@ -422,9 +423,11 @@ class ExpertParallelMoE(MoE):
         xp, x_mx = self.dispatch(x2, plan)  # [M, D]
         return xp, plan.offs, x_mx, plan
 
-    def unpermute(self, yp: torch.Tensor, plan: DispatchPlan, tokens: int) -> torch.Tensor:
-        """Collective: the reverse exchange (see :meth:`combine`)."""
-        return self.combine(yp, plan, tokens)
+    def unpermute(self, yp: torch.Tensor, plan: DispatchPlan, r: Routing) -> torch.Tensor:
+        """Collective: the reverse exchange (see :meth:`combine`), then each token's weighted sum."""
+        T = r.weights.shape[0]
+        ys = self.combine(yp, plan, T)  # [T*top_k, D], slot t*top_k + j
+        return ops.combine(ys, torch.arange(ys.shape[0], device=ys.device), r.weights)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", ep_size={self.ep_size}, local_experts="

@@ -201,6 +201,12 @@ def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
     return _ops().permute_qdq(x, src, scale_rule)
 
 
+def layer_ops():
+    """The custom ops of the layer kernels (gather, gather-sum, combine backward, SwiGLU and its
+    backward: :mod:`mxmoe.kernels.layer`), or None without triton."""
+    return _ops() if _triton_ok() else None
+
+
 def expand_bf16(t):
     """The BF16 operand of the expansion route for an MXTensor quantized along one of its last two
     dims, in its logical shape (a transposed view when quantized along dim -2); plain tensors pass."""
@@ -214,6 +220,9 @@ def expand_bf16(t):
 
 
 def bf16_grouped_mm(a16: torch.Tensor, b16: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``torch._grouped_mm`` of BF16 operands; it writes BF16, cast to ``out_dtype`` afterwards."""
+    """``torch._grouped_mm`` of BF16 operands; it writes BF16 (torch 2.11 takes no other output
+    dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel)."""
     out = torch._grouped_mm(a16, b16, offs)
+    if out_dtype == torch.float32 and out.is_cuda and _triton_ok():
+        return _ops().to_float32(out)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)

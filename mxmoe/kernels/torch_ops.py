@@ -15,6 +15,12 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``qdq_dual_bf16``           x -> (bf16 ``[..., M, K]``, bf16 ``[..., K, M]``): along K and along M
 ``swiglu_qdq``              h ``[M, 2F]`` bf16 -> ``qdq_dual`` of ``silu(h[:, :F]) * h[:, F:]``
 ``permute_qdq``             (x ``[T, K]``, src ``[M]`` int) -> ``qdq_dual`` of ``x[src]`` (rows with src -1: zero)
+``gather_rows``             (x ``[T, D]``, src ``[M]`` int, rows) -> ``x[src]`` ``[M, D]`` (src -1: zero row)
+``gather_sum``              (src ``[M, D]``, idx ``[T*k]``, top_k, w ``[T*k]`` or None) -> ``[T, D]``
+``combine_backward``        (dy ``[T, D]``, w ``[T*k]``, yp ``[M, D]``, slot ``[M]``, top_k) -> (dyp, dw)
+``swiglu``                  h ``[M, 2F]`` bf16 -> ``silu(h[:, :F]) * h[:, F:]`` ``[M, F]``
+``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) -> dh ``[M, 2F]``
+``to_float32``              bf16/fp16 x -> float32 copy
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
 ==========================  =====================================================================
@@ -107,6 +113,49 @@ def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str) -> tuple[to
     return tuple(q.permute_qdq(x, src, scale_rule))
 
 
+@torch.library.custom_op("mxmoe::gather_rows", mutates_args=())
+def gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.gather_rows(x, src, rows)
+
+
+@torch.library.custom_op("mxmoe::gather_sum", mutates_args=())
+def gather_sum(src: torch.Tensor, idx: torch.Tensor, top_k: int, w: torch.Tensor | None) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.gather_sum(src, idx, top_k, w)
+
+
+@torch.library.custom_op("mxmoe::combine_backward", mutates_args=())
+def combine_backward(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: torch.Tensor,
+                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import layer
+
+    return layer.combine_backward(dy, w, yp, slot, top_k)
+
+
+@torch.library.custom_op("mxmoe::swiglu", mutates_args=())
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.swiglu(h)
+
+
+@torch.library.custom_op("mxmoe::swiglu_backward", mutates_args=())
+def swiglu_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.swiglu_backward(da, h)
+
+
+@torch.library.custom_op("mxmoe::to_float32", mutates_args=())
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.to_float32(x)
+
+
 def _bf16(x, transposed=False):
     shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else x.shape
     return x.new_empty(shape, dtype=torch.bfloat16)
@@ -142,6 +191,13 @@ swiglu_qdq.register_fake(lambda h, scale_rule: (
 permute_qdq.register_fake(lambda x, src, scale_rule: (
     x.new_empty((src.shape[0], x.shape[1]), dtype=torch.bfloat16),
     x.new_empty((x.shape[1], src.shape[0]), dtype=E4M3), x.new_empty((x.shape[1], src.shape[0] // 32), dtype=E8M0)))
+gather_rows.register_fake(lambda x, src, rows: x.new_empty((rows, x.shape[1])))
+gather_sum.register_fake(lambda src, idx, top_k, w: src.new_empty((idx.shape[0] // top_k, src.shape[1])))
+combine_backward.register_fake(lambda dy, w, yp, slot, top_k: (
+    yp.new_empty(yp.shape), w.new_empty((w.numel(),), dtype=torch.float32)))
+swiglu.register_fake(lambda h: h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16))
+swiglu_backward.register_fake(lambda da, h: h.new_empty(h.shape, dtype=torch.bfloat16))
+to_float32.register_fake(lambda x: x.new_empty(x.shape, dtype=torch.float32))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
     a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))

@@ -1,0 +1,118 @@
+"""Launch glue of the MoE layer's kernels around the expert products (bodies in
+:mod:`mxmoe.kernels.layer_triton`). CUDA tensors (or CPU under ``TRITON_INTERPRET=1``); callers
+validate shapes (these are reached through :mod:`mxmoe.ops`, which checks them once).
+
+==========================  ====================================================================
+``gather_rows``             x ``[T, D]``, src ``[M]`` int (-1: zero row) -> ``x[src]`` ``[M, D]``
+``gather_sum``              src ``[M, D]``, idx ``[T*k]`` int64, optional w ``[T*k]`` fp32 ->
+                            ``sum_j w * src[idx]`` ``[T, D]`` (FP32 sums, one rounding)
+``combine_backward``        (dy ``[T, D]``, w ``[T*k]``, yp ``[M, D]``, slot ``[M]`` int32) ->
+                            (dyp ``[M, D]``, dw ``[T*k]`` fp32)
+``swiglu``                  h ``[M, 2F]`` bf16 -> ``silu(h[:, :F]) * h[:, F:]`` ``[M, F]`` bf16
+``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) bf16 -> dh ``[M, 2F]`` bf16
+``to_float32``              bf16/fp16 x (any shape) -> float32 copy (e.g. a weight gradient)
+==========================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 4  # [4, 1024] tiles: 8 KB of BF16 per program, 16-byte accesses
+
+
+def _k():
+    from mxmoe.kernels import layer_triton
+
+    return layer_triton
+
+
+def _soft() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows_last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
+    """``out[r] = x[src[r]]`` for ``r < rows`` (zero rows where ``src[r]`` is -1 or out of range)."""
+    x = _rows_last_contiguous(x)
+    T, D = x.shape
+    out = torch.empty(rows, D, dtype=x.dtype, device=x.device)
+    if rows and D:
+        grid = (_cdiv(rows, _BLOCK_ROWS), _cdiv(D, _BLOCK_COLS))
+        _k().gather_rows_kernel[grid](x, src, out, rows, D, T, x.stride(0), out.stride(0),
+                                      BR=_BLOCK_ROWS, BD=_BLOCK_COLS, num_warps=_WARPS)
+    return out
+
+
+def gather_sum(src: torch.Tensor, idx: torch.Tensor, top_k: int, w: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j w[t*top_k + j] * src[idx[t*top_k + j]]`` ``[T, D]`` in src's dtype (FP32 sums)."""
+    src = _rows_last_contiguous(src)
+    T, D = idx.numel() // top_k, src.shape[1]
+    out = torch.empty(T, D, dtype=src.dtype, device=src.device)
+    if T and D:
+        grid = (_cdiv(T, _BLOCK_ROWS), _cdiv(D, _BLOCK_COLS))
+        _k().gather_sum_kernel[grid](src, idx, w if w is not None else src, out, T, D, src.stride(0), out.stride(0),
+                                     TOP_K=top_k, HAS_W=w is not None, BT=_BLOCK_ROWS, BD=_BLOCK_COLS,
+                                     SOFT=_soft(), num_warps=_WARPS)
+    return out
+
+
+def combine_backward(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: torch.Tensor, top_k: int):
+    """Gradients of ``y = gather_sum(yp, slot_rows, top_k, w)``: ``(dyp [M, D] in yp's dtype, dw [T*k] fp32)``;
+    ``slot [M]`` int32 is the inverse of slot_rows (-1 on padding rows)."""
+    dy, yp = _rows_last_contiguous(dy), _rows_last_contiguous(yp)
+    M, D = yp.shape
+    dyp = torch.empty(M, D, dtype=yp.dtype, device=yp.device)
+    dw = torch.zeros(w.numel(), dtype=torch.float32, device=yp.device)  # slots whose row is missing stay 0
+    if M and D:
+        grid = (_cdiv(M, _BLOCK_ROWS),)
+        _k().combine_backward_kernel[grid](dy, w, yp, slot, dyp, dw, M, D, dy.stride(0), yp.stride(0),
+                                           dyp.stride(0), TOP_K=top_k, BR=_BLOCK_ROWS, BD=_BLOCK_COLS,
+                                           SOFT=_soft(), num_warps=_WARPS)
+    return dyp, dw
+
+
+def _swiglu_grid(M: int, F: int):
+    return (_cdiv(M, _BLOCK_ROWS), _cdiv(F, _BLOCK_COLS))
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``silu(h[:, :F]) * h[:, F:]`` of bf16 ``h [M, 2F]`` (torch's BF16 arithmetic, bit for bit)."""
+    h = _rows_last_contiguous(h)
+    M, F = h.shape[0], h.shape[1] // 2
+    a = torch.empty(M, F, dtype=torch.bfloat16, device=h.device)
+    if M and F:
+        _k().swiglu_kernel[_swiglu_grid(M, F)](h, a, M, F, h.stride(0), a.stride(0), BR=_BLOCK_ROWS,
+                                               BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
+    return a
+
+
+def swiglu_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dh ``[M, 2F]`` bf16 of :func:`swiglu` from ``da [M, F]`` (torch autograd's BF16 arithmetic)."""
+    da, h = _rows_last_contiguous(da), _rows_last_contiguous(h)
+    M, F = h.shape[0], h.shape[1] // 2
+    dh = torch.empty(M, 2 * F, dtype=torch.bfloat16, device=h.device)
+    if M and F:
+        _k().swiglu_backward_kernel[_swiglu_grid(M, F)](da, h, dh, M, F, da.stride(0), h.stride(0), dh.stride(0),
+                                                        BR=_BLOCK_ROWS, BF=_BLOCK_COLS, SOFT=_soft(),
+                                                        num_warps=_WARPS)
+    return dh
+
+
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """FP32 copy of a BF16/FP16 tensor (contiguous result of x's shape)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n, block = x.numel(), 4096
+    if n:
+        _k().to_float32_kernel[(_cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=4)
+    return out

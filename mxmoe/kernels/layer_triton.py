@@ -1,0 +1,164 @@
+"""Triton kernels of the MoE layer around the expert products (bodies only; launch glue in
+:mod:`mxmoe.kernels.layer`): row gather (the token permutation), weighted gather-sum (the top-k
+combine, and the permutation's backward), the combine's backward, and SwiGLU with its backward.
+
+Each replaces a chain of torch ops that writes and re-reads [rows, D] intermediates: the combine
+was index_select + broadcast multiply + sum (and in backward: zeros + index_copy, two broadcast
+multiplies and a reduction); SwiGLU's backward was silu_backward, two multiplies and a cat.
+
+Arithmetic: sums and products in FP32, one rounding to the output dtype. SwiGLU follows torch's
+BF16 formulas op for op (see the kernels), so its outputs equal torch's bit for bit on the GPU.
+Row indices are widened to int64 before they are multiplied by strides.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from mxmoe.kernels.quantize_triton import _to_bf16, _to_f32
+
+
+@triton.jit
+def _store_as(ptr, x, mask, SOFT: tl.constexpr):
+    """Store FP32 x into ptr's dtype, BF16 rounded to nearest even also under the interpreter."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr, _to_bf16(x, SOFT), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gather_rows_kernel(x_ptr, src_ptr, out_ptr, M, D, T, stride_x, stride_out,
+                       BR: tl.constexpr, BD: tl.constexpr):
+    """out [M, D]: out[r] = x[src[r]] (x [T, D]); zero rows where src[r] is outside [0, T)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    src = tl.load(src_ptr + r, mask=r < M, other=-1).to(tl.int64)
+    live = (src >= 0) & (src < T)
+    v = tl.load(x_ptr + src[:, None] * stride_x + d[None, :], mask=live[:, None] & (d < D)[None, :], other=0.0)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_out + d[None, :], v, mask=(r < M)[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, T, D, stride_src, stride_out,
+                      TOP_K: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                      SOFT: tl.constexpr):
+    """out [T, D]: out[t] = sum_j w[t*TOP_K + j] * src[idx[t*TOP_K + j]] (w = 1 without HAS_W),
+    summed in FP32 in order j = 0, 1, ..., rounded once to out's dtype."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    tmask = t < T
+    mask = tmask[:, None] & (d < D)[None, :]
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        s = t.to(tl.int64) * TOP_K + j
+        row = tl.load(idx_ptr + s, mask=tmask, other=0).to(tl.int64)
+        v = _to_f32(tl.load(src_ptr + row[:, None] * stride_src + d[None, :], mask=mask, other=0.0))
+        if HAS_W:
+            v = v * tl.load(w_ptr + s, mask=tmask, other=0.0)[:, None]
+        acc += v
+    _store_as(out_ptr + t.to(tl.int64)[:, None] * stride_out + d[None, :], acc, mask, SOFT)
+
+
+@triton.jit
+def combine_backward_kernel(dy_ptr, w_ptr, yp_ptr, slot_ptr, dyp_ptr, dw_ptr, M, D,
+                            stride_dy, stride_yp, stride_dyp,
+                            TOP_K: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, SOFT: tl.constexpr):
+    """Backward of y[t] = sum_j w[t, j] * yp[slot_rows[t*TOP_K + j]], one pass over the rows of yp.
+
+    slot [M] int32: the slot s = t*TOP_K + j that row r feeds, or -1 (a padding row).
+    dyp [M, D] = w[s] * dy[t] (zero for padding rows), rounded once to dyp's dtype;
+    dw [T*TOP_K] FP32: dw[s] = sum_d dy[t, d] * yp[r, d] (FP32, deterministic: one program per row
+    block loops over D).
+    """
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = r < M
+    s = tl.load(slot_ptr + r, mask=rmask, other=-1)
+    live = s >= 0
+    tok = tl.where(live, s // TOP_K, 0).to(tl.int64)
+    w = tl.load(w_ptr + s, mask=live, other=0.0)
+    r64 = r.to(tl.int64)
+    dot = tl.zeros([BR], dtype=tl.float32)
+    d0 = 0
+    while d0 < D:  # (a while loop: the interpreter cannot range over runtime bounds)
+        d = d0 + tl.arange(0, BD)
+        dmask = (d < D)[None, :]
+        g = _to_f32(tl.load(dy_ptr + tok[:, None] * stride_dy + d[None, :], mask=live[:, None] & dmask, other=0.0))
+        y = _to_f32(tl.load(yp_ptr + r64[:, None] * stride_yp + d[None, :], mask=live[:, None] & dmask, other=0.0))
+        _store_as(dyp_ptr + r64[:, None] * stride_dyp + d[None, :], g * w[:, None], rmask[:, None] & dmask, SOFT)
+        dot += tl.sum(g * y, axis=1)
+        d0 += BD
+    tl.store(dw_ptr + s, dot, mask=live)
+
+
+@triton.jit
+def to_float32_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out[i] = float32(x[i]) for a flat contiguous x (exact for BF16/FP16): 16-byte loads, where
+    torch's dtype-converting copy takes an unvectorized path."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, _to_f32(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+
+@triton.jit
+def _exp(x, SOFT: tl.constexpr):
+    """CUDA's expf (libdevice ``__nv_expf``, what torch's kernels call); numpy's under the interpreter."""
+    if SOFT:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _div(a, b, SOFT: tl.constexpr):
+    """IEEE division (round to nearest), as torch's kernels divide."""
+    if SOFT:
+        return a / b
+    else:
+        return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def _swiglu_tile(h_ptr, M, F, stride_h, BR: tl.constexpr, BF: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    f = tl.program_id(1) * BF + tl.arange(0, BF)
+    mask = (r < M)[:, None] & (f < F)[None, :]
+    gp = h_ptr + r.to(tl.int64)[:, None] * stride_h + f[None, :]
+    gate = _to_f32(tl.load(gp, mask=mask, other=0.0))
+    up = _to_f32(tl.load(gp + F, mask=mask, other=0.0))
+    return r, f, mask, gate, up
+
+
+@triton.jit
+def swiglu_kernel(h_ptr, a_ptr, M, F, stride_h, stride_a, BR: tl.constexpr, BF: tl.constexpr, SOFT: tl.constexpr):
+    """a [M, F] = silu(gate) * up of h [M, 2F] bf16 (gate = h[:, :F], up = h[:, F:]), as torch
+    computes ``F.silu(gate) * up`` in BF16: silu = g / (1 + exp(-g)) in FP32 rounded to BF16, then
+    the product rounded to BF16."""
+    r, f, mask, gate, up = _swiglu_tile(h_ptr, M, F, stride_h, BR, BF)
+    silu = _to_f32(_to_bf16(_div(gate, 1.0 + _exp(-gate, SOFT), SOFT), SOFT))
+    tl.store(a_ptr + r.to(tl.int64)[:, None] * stride_a + f[None, :], _to_bf16(silu * up, SOFT), mask=mask)
+
+
+@triton.jit
+def swiglu_backward_kernel(da_ptr, h_ptr, dh_ptr, M, F, stride_da, stride_h, stride_dh,
+                           BR: tl.constexpr, BF: tl.constexpr, SOFT: tl.constexpr):
+    """dh [M, 2F] from da [M, F] and h [M, 2F] (all bf16), the gradient torch's autograd computes
+    for ``F.silu(gate) * up`` in BF16, op for op:
+    d_up = bf16(da * bf16(silu(g))); d_gate = silu_backward(bf16(da * up), g), i.e. in FP32
+    ``t * s * (1 + g * (1 - s))`` with s = 1 / (1 + exp(-g)) (the inner ``1 + g*(1-s)`` one FMA, as
+    nvcc contracts it), rounded to BF16."""
+    r, f, mask, gate, up = _swiglu_tile(h_ptr, M, F, stride_h, BR, BF)
+    r64 = r.to(tl.int64)[:, None]
+    da = _to_f32(tl.load(da_ptr + r64 * stride_da + f[None, :], mask=mask, other=0.0))
+    e = 1.0 + _exp(-gate, SOFT)
+    silu = _to_f32(_to_bf16(_div(gate, e, SOFT), SOFT))
+    s = _div(1.0, e, SOFT)
+    t = _to_f32(_to_bf16(da * up, SOFT))
+    if SOFT:
+        inner = 1.0 + gate * (1.0 - s)
+    else:
+        inner = tl.fma(gate, 1.0 - s, 1.0)
+    dp = dh_ptr + r64 * stride_dh + f[None, :]
+    tl.store(dp, _to_bf16(t * s * inner, SOFT), mask=mask)
+    tl.store(dp + F, _to_bf16(da * silu, SOFT), mask=mask)
