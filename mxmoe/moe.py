@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxmoe.formats import MXTensor
-from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
+from mxmoe.ops import _linear_swiglu, combine, grouped_linear, permute_tokens
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -180,16 +180,23 @@ class MoE(nn.Module):
         uses it; along rows, xp is its BF16 MX values and wgrad uses it."""
         x_wgrad = x_mx if x_mx is not None and x_mx.axis == 0 else None
         x_mx = None if x_wgrad is not None else x_mx
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad)  # [M, 2F]
-        a, a_wgrad = swiglu(h, self.recipe, self.w2)  # on CUDA's expansion route: fused with a's quantization
+        # h = xp @ w13^T [M, 2F], a = SwiGLU(h) [M, F]; on CUDA's expansion route one op: SwiGLU fused
+        # with a's quantization, and in backward SwiGLU's gradient with dh's
+        a, a_wgrad = _linear_swiglu(xp, self.w13, offs, self.recipe, x_mx, x_wgrad, self.w2)
         return grouped_linear(a, self.w2, offs, self.recipe, validate=False, x_wgrad=a_wgrad)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype."""
+        """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype.
+
+        Under autocast (e.g. BF16 on CUDA) the experts run on activations in the autocast dtype, as
+        autocast's own linear layers would (the router stays FP32); the output is cast back to x's dtype.
+        """
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]
+        if torch.is_autocast_enabled(x.device.type) and x2.dtype == torch.float32:
+            x2 = x2.to(torch.get_autocast_dtype(x.device.type))  # BF16 activations: the fused kernels apply
         r = self.route(x2)
         xp, offs, x_mx, state = self.permute(x2, r)  # [M, D]
         yp = self.experts_forward(xp, offs, x_mx)  # [M, D]

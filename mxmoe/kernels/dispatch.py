@@ -194,6 +194,12 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: str):
     return _ops().swiglu_qdq(h, scale_rule)
 
 
+def swiglu_backward_qdq(da: torch.Tensor, h: torch.Tensor, scale_rule: str):
+    """SwiGLU's gradient (da ``[M, F]``, h ``[M, 2F]`` bf16) fused with its dual QDQ: (BF16 MX values
+    along 2F ``[M, 2F]``, along M ``[2F, M]``), as ``qdq_dual_bf16`` of the gradient."""
+    return _ops().swiglu_backward_qdq(da, h, scale_rule)
+
+
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
     """Tokens ``x [T, K]`` gathered by ``src [M]`` (token per row, -1: zero row) -> ``qdq_dual`` of
     that buffer without writing it: (BF16 MX values along K ``[M, K]``, data ``[K, M]`` e4m3, scales
@@ -202,9 +208,17 @@ def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
 
 
 def layer_ops():
-    """The custom ops of the layer kernels (gather, gather-sum, combine backward, SwiGLU and its
-    backward: :mod:`mxmoe.kernels.layer`), or None without triton."""
-    return _ops() if _triton_ok() else None
+    """The layer kernels (gather, gather-sum, combine backward, SwiGLU and its backward, the FP32
+    cast: :mod:`mxmoe.kernels.layer`), or None without triton. Under torch.compile their custom ops
+    (:mod:`mxmoe.kernels.torch_ops`, same names and arguments); in eager mode the launchers
+    themselves, which skips the custom-op dispatch (small layers are CPU-bound)."""
+    if not _triton_ok():
+        return None
+    if torch.compiler.is_compiling():
+        return _ops()
+    from mxmoe.kernels import layer
+
+    return layer
 
 
 def expand_bf16(t):
