@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxmoe.formats import MXTensor
-from mxmoe.ops import _linear_swiglu, combine, grouped_linear, permute_tokens
+from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -180,9 +180,8 @@ class MoE(nn.Module):
         uses it; along rows, xp is its BF16 MX values and wgrad uses it."""
         x_wgrad = x_mx if x_mx is not None and x_mx.axis == 0 else None
         x_mx = None if x_wgrad is not None else x_mx
-        # h = xp @ w13^T [M, 2F], a = SwiGLU(h) [M, F]; on CUDA's expansion route one op: SwiGLU fused
-        # with a's quantization, and in backward SwiGLU's gradient with dh's
-        a, a_wgrad = _linear_swiglu(xp, self.w13, offs, self.recipe, x_mx, x_wgrad, self.w2)
+        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad)  # [M, 2F]
+        a, a_wgrad = swiglu(h, self.recipe, self.w2)  # on CUDA's expansion route: fused with a's quantization
         return grouped_linear(a, self.w2, offs, self.recipe, validate=False, x_wgrad=a_wgrad)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

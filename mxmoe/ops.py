@@ -280,8 +280,7 @@ class _MXGroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None,
-                swiglu: bool = False):
+    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None):
         rule = recipe.scale_rule
         exp = _expansion(x, w, recipe)
         x_saved = None
@@ -311,32 +310,21 @@ class _MXGroupedLinear(torch.autograd.Function):
             x_saved = (quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule) if recipe.wgrad_mxfp8
                        else x.detach().to(torch.bfloat16))  # along tokens
         ctx.recipe, ctx.x_saved, ctx.w_dgrad, ctx.expansion = recipe, x_saved, w_dgrad, exp is not None
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.swiglu = x.shape, x.dtype, w.dtype, swiglu
-        ctx.save_for_backward(offs, w if w_dgrad is None else None, y if swiglu else None)
-        if swiglu:  # _linear_swiglu: y is h; return a's BF16 MX values and its FP8 copy along tokens
-            a16, data_t, scale_t = exp.swiglu_qdq(y, rule)
-            ctx.mark_non_differentiable(data_t, scale_t)
-            return a16, data_t, scale_t
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
+        ctx.save_for_backward(offs, w if w_dgrad is None else None)
         return y
 
     @staticmethod
-    def backward(ctx, dy, *_):
+    def backward(ctx, dy):
         recipe, rule = ctx.recipe, ctx.recipe.scale_rule
-        offs, w, h = ctx.saved_tensors
+        offs, w = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = None
         dyq = dyq_t = None  # dy along N (dgrad), along tokens as [N, M] (wgrad)
         if ctx.expansion:
             from mxmoe.kernels import dispatch
 
-            fused = h is not None and need_dx and need_dw and _layer_ops(h) is not None
-            if fused:  # dy is SwiGLU's da: its gradient dh comes out quantized, never written
-                dyq, dyq_t = dispatch.swiglu_backward_qdq(dy, h, rule)
-            elif h is not None:
-                dy = _swiglu_backward(dy, h)
-            if fused:
-                pass
-            elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
+            if need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
                 dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
             elif need_dx:
                 dyq = dispatch.qdq_rowwise(dy, rule)
@@ -353,7 +341,7 @@ class _MXGroupedLinear(torch.autograd.Function):
             else:
                 dw = grouped_mm(dy.to(torch.bfloat16).t(), ctx.x_saved, offs, _validate=False)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
@@ -465,23 +453,6 @@ def _fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: to
     return (w_next is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and recipe.mxfp8
             and recipe.wgrad_mxfp8 and rows % BLOCK == 0 and cols % BLOCK == 0
             and _expansion(x, w_next, recipe) is not None)
-
-
-def _linear_swiglu(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
-                   x_mx: MXTensor | None, x_wgrad: MXTensor | None, w_next: torch.Tensor | None):
-    """``swiglu(grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad), recipe,
-    w_next)`` (the up-projection and SwiGLU of :class:`mxmoe.MoE`). Where :func:`swiglu` fuses (Hopper
-    expansion route, see :func:`_fused_qdq`) the two are one autograd op, so the backward computes
-    SwiGLU's gradient fused with its dual QDQ (dgrad's and wgrad's operands; dh never written).
-    Same values either way; ``MXMOE_LAYER_KERNELS=0`` turns the fused backward off."""
-    if w.shape[1] % 2 == 0 and _fused_qdq(x, x.shape[0], w.shape[1] // 2, recipe, w_next) \
-            and _expansion(x, w, recipe) is not None:
-        from mxmoe.kernels.quantize import columnwise_mxtensor
-
-        a16, data_t, scale_t = _MXGroupedLinear.apply(x, w, offs, recipe, x_mx, x_wgrad, True)
-        return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
-    h = grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad)
-    return swiglu(h, recipe, w_next)
 
 
 class _SwiGLUQDQ(torch.autograd.Function):

@@ -56,15 +56,6 @@ for M, F_ in [(45, 96), (8, 1056)]:
     g2, u2 = hh.split(F_, -1)
     (want,) = torch.autograd.grad(F.silu(g2) * u2, hh, da)
     assert bf16_ulps(dh, want) <= 1, bf16_ulps(dh, want)
-from mxmoe.kernels import quantize as Q
-for M, F_, rule in [(96, 64, "rceil"), (160, 96, "floor")]:  # SwiGLU gradient fused with its dual QDQ
-    h = with_special_blocks(wide_randn((M, 2 * F_), torch.bfloat16, "cpu", gen), axis=1)
-    da = (torch.randn(M, F_, generator=gen) * 5).to(torch.bfloat16)
-    row, col = Q.swiglu_backward_qdq(da, h, rule)
-    want_row, want_col = Q.qdq_dual_bf16(L.swiglu_backward(da, h), rule)
-    same(row, want_row, f"swiglu_backward_qdq rows {M}x{F_} {rule}")
-    same(col, want_col, f"swiglu_backward_qdq cols {M}x{F_} {rule}")
-
 for dt in (torch.bfloat16, torch.float16):
     v = (torch.randn(3, 4099, generator=gen) * 1e3).to(dt)
     same(L.to_float32(v), v.float(), f"to_float32 {dt}")
@@ -122,11 +113,6 @@ def test_gpu_layer_kernels_equal_torch(tokens, dim, experts, top_k):
     ulps = (dh[:, :dim].view(torch.int16).int() - dh_ref[:, :dim].view(torch.int16).int()).abs().max().item()
     assert ulps == 0, f"d_gate differs from torch's silu_backward by up to {ulps} BF16 ulps"
     assert torch.equal(L.to_float32(dh), dh.float())
-    from mxmoe.kernels import quantize as Q
-
-    row, col = Q.swiglu_backward_qdq(da, h, "rceil")  # fused with its dual QDQ: the composition's bits
-    want_row, want_col = Q.qdq_dual_bf16(dh, "rceil")
-    assert torch.equal(row, want_row) and torch.equal(col, want_col)
 
 
 @pytest.mark.gpu

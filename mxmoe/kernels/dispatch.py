@@ -194,12 +194,6 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: str):
     return _ops().swiglu_qdq(h, scale_rule)
 
 
-def swiglu_backward_qdq(da: torch.Tensor, h: torch.Tensor, scale_rule: str):
-    """SwiGLU's gradient (da ``[M, F]``, h ``[M, 2F]`` bf16) fused with its dual QDQ: (BF16 MX values
-    along 2F ``[M, 2F]``, along M ``[2F, M]``), as ``qdq_dual_bf16`` of the gradient."""
-    return _ops().swiglu_backward_qdq(da, h, scale_rule)
-
-
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
     """Tokens ``x [T, K]`` gathered by ``src [M]`` (token per row, -1: zero row) -> ``qdq_dual`` of
     that buffer without writing it: (BF16 MX values along K ``[M, K]``, data ``[K, M]`` e4m3, scales

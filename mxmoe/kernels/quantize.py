@@ -532,36 +532,6 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
     return a16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
 
 
-def swiglu_backward_qdq(da: torch.Tensor, h: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
-    """SwiGLU's gradient fused with its dual QDQ: ``dh`` of ``a = F.silu(h[:, :F]) * h[:, F:]``
-    (torch autograd's BF16 arithmetic) is never written; one read of da and h.
-
-    Args:
-        da: bfloat16 ``[M, F]``; h: bfloat16 ``[M, 2F]``; CUDA, ``M % 32 == F % 32 == 0``; any strides.
-    Returns:
-        ``(dh_bf16 [M, 2F], dht_bf16 [2F, M])``: :func:`qdq_dual_bf16` of dh, bit for bit (dgrad's
-        and wgrad's operands of the up-projection's backward).
-    Raises:
-        TypeError: not bfloat16. ValueError: shapes that do not match, CPU tensors.
-    """
-    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in (da, h)):
-        raise TypeError("swiglu_backward_qdq expects bfloat16 da and h")
-    if h.dim() != 2 or da.dim() != 2 or h.shape[1] != 2 * da.shape[1] or h.shape[0] != da.shape[0]:
-        raise ValueError(f"swiglu_backward_qdq expects da [M, F] and h [M, 2F], got {tuple(da.shape)}, {tuple(h.shape)}")
-    _check(da, "swiglu_backward_qdq", need_k32=True, need_m32=True)
-    M, F = da.shape
-    dev = h.device
-    br = torch.empty(M, 2 * F, dtype=torch.bfloat16, device=dev)
-    bc = torch.empty(2 * F, M, dtype=torch.bfloat16, device=dev)
-    if M and F:
-        BM, BK, num_warps, persistent = _config_qdq(True)
-        total = triton_cdiv(M, BM) * triton_cdiv(F, BK)
-        args = (da, h, br, bc, M, F, da.stride(0), da.stride(1), h.stride(0), h.stride(1), _rule(scale_rule))
-        kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
-        _launch_tiles(_kernels().mx_swiglu_backward_qdq_kernel, args, kwargs, total, persistent, dev)
-    return br, bc
-
-
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
     """Token rows gathered into a row buffer, fused with that buffer's dual QDQ; the buffer
     ``xp[m] = x[src[m]]`` (a zero row where ``src[m] == -1``) is never written.

@@ -361,11 +361,9 @@ def _expand_e4m3(q_bytes, byte):
 def _qdq_tile(
     x_raw, t, n_m, n_k, br_ptr, bc_ptr, qc_ptr, sc_ptr, M, K, rceil,
     ROW_BF16: tl.constexpr, COL_BF16: tl.constexpr, COL_FP8: tl.constexpr, TILE32: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, ld_row=None,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
-    """QDQ outputs of one loaded tile (see mx_qdq_kernel); ``ld_row``: row stride of br (default K)."""
-    if ld_row is None:
-        ld_row = K
+    """QDQ outputs of one loaded tile (see mx_qdq_kernel)."""
     b, tm, tk = _tile_coords(t, n_m, n_k)
     b64 = b.to(tl.int64)
     MB: tl.constexpr = BM // 32
@@ -390,7 +388,7 @@ def _qdq_tile(
     if ROW_BF16:  # along K, [B, M, K]
         q = _quantize_elems(x, byte_r[:, :, :, None], SOFT_CVT)
         v = tl.reshape(_expand_e4m3(q, byte_r[:, :, :, None]), (BM, BK))
-        tl.store(br_ptr + plane + m64 * ld_row + k, v, mask=in_bounds)
+        tl.store(br_ptr + plane + m64 * K + k, v, mask=in_bounds)
     if COL_BF16 or COL_FP8:  # along M, written transposed [B, K, M]
         q = _quantize_elems(x, byte_c[:, None, :, :], SOFT_CVT)
         if COL_FP8:
@@ -488,64 +486,6 @@ def mx_swiglu_qdq_kernel(
         a = _silu_mul_bf16(gate, up, SOFT_CVT)
         _qdq_tile(a, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, F, rceil,
                   True, False, True, False, BM, BK, SOFT_CVT)
-        gate = gate_next
-        up = up_next
-        t += nprog
-
-
-@triton.jit
-def _swiglu_grads_bf16(da_raw, gate_raw, up_raw, SOFT: tl.constexpr):
-    """(d_gate, d_up) in BF16 for ``a = F.silu(gate) * up`` (all BF16), torch autograd's arithmetic
-    op for op: d_up = bf16(da * bf16(silu(g))); d_gate = silu_backward(bf16(da * up), g), i.e. in
-    FP32 ``t * s * (1 + g * (1 - s))`` with s = 1 / (1 + exp(-g)) (the inner ``1 + g*(1-s)`` one
-    FMA, as nvcc contracts it), rounded to BF16. SOFT (interpreter): numpy's exp and division."""
-    g = _to_f32(gate_raw)
-    da = _to_f32(da_raw)
-    if SOFT:
-        e = 1.0 + tl.exp(-g)
-        silu = g / e
-        s = 1.0 / e
-        inner = 1.0 + g * (1.0 - s)
-    else:
-        e = 1.0 + libdevice.exp(-g)
-        silu = tl.math.div_rn(g, e)
-        s = tl.math.div_rn(1.0, e)
-        inner = tl.fma(g, 1.0 - s, 1.0)
-    t = _to_f32(_to_bf16(da * _to_f32(up_raw), SOFT))
-    d_up = _to_bf16(da * _to_f32(_to_bf16(silu, SOFT)), SOFT)
-    return _to_bf16(t * s * inner, SOFT), d_up
-
-
-@triton.jit(do_not_specialize=["rceil"])
-def mx_swiglu_backward_qdq_kernel(
-    da_ptr, h_ptr, br_ptr, bc_ptr, M, F, stride_dam, stride_dak, stride_hm, stride_hk, rceil,
-    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
-):
-    """SwiGLU's gradient dh [M, 2F] (from da [M, F] and h [M, 2F], bf16) fused with its dual QDQ:
-    br [M, 2F] bf16, dh's MX values along 2F (dgrad's operand), and bc [2F, M] bf16, along M,
-    transposed (wgrad's operand); dh itself is never written. The same bits as
-    ``qdq_dual_bf16(swiglu_backward(da, h))``. Persistent, one-tile prefetch; a tile of the [M, F]
-    grid gives the tiles of both halves (gate columns f, up columns F + f)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    n_m = tl.cdiv(M, BM)
-    n_k = tl.cdiv(F, BK)
-    total = n_m * n_k
-    up_ptr = h_ptr + F * stride_hk
-    da = _load_tile(da_ptr, pid, total, n_m, n_k, M, F, 0, stride_dam, stride_dak, BM, BK)
-    gate = _load_tile(h_ptr, pid, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
-    up = _load_tile(up_ptr, pid, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
-    t = pid
-    while t < total:
-        da_next = _load_tile(da_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_dam, stride_dak, BM, BK)
-        gate_next = _load_tile(h_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
-        up_next = _load_tile(up_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
-        d_gate, d_up = _swiglu_grads_bf16(da, gate, up, SOFT_CVT)
-        _qdq_tile(d_gate, t, n_m, n_k, br_ptr, bc_ptr, br_ptr, br_ptr, M, F, rceil,
-                  True, True, False, False, BM, BK, SOFT_CVT, 2 * F)
-        _qdq_tile(d_up, t, n_m, n_k, br_ptr + F, bc_ptr + F.to(tl.int64) * M, br_ptr, br_ptr, M, F, rceil,
-                  True, True, False, False, BM, BK, SOFT_CVT, 2 * F)
-        da = da_next
         gate = gate_next
         up = up_next
         t += nprog

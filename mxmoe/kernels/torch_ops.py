@@ -14,7 +14,6 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
 ``qdq_dual_bf16``           x -> (bf16 ``[..., M, K]``, bf16 ``[..., K, M]``): along K and along M
 ``swiglu_qdq``              h ``[M, 2F]`` bf16 -> ``qdq_dual`` of ``silu(h[:, :F]) * h[:, F:]``
-``swiglu_backward_qdq``     (da ``[M, F]``, h ``[M, 2F]``) -> ``qdq_dual_bf16`` of SwiGLU's gradient dh
 ``permute_qdq``             (x ``[T, K]``, src ``[M]`` int) -> ``qdq_dual`` of ``x[src]`` (rows with src -1: zero)
 ``gather_rows``             (x ``[T, D]``, src ``[M]`` int, rows) -> ``x[src]`` ``[M, D]`` (src -1: zero row)
 ``gather_sum``              (src ``[M, D]``, idx ``[T*k]``, top_k, w ``[T*k]`` or None) -> ``[T, D]``
@@ -107,13 +106,6 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Te
     return tuple(q.swiglu_qdq(h, scale_rule))
 
 
-@torch.library.custom_op("mxmoe::swiglu_backward_qdq", mutates_args=())
-def swiglu_backward_qdq(da: torch.Tensor, h: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from mxmoe.kernels import quantize as q
-
-    return tuple(q.swiglu_backward_qdq(da, h, scale_rule))
-
-
 @torch.library.custom_op("mxmoe::permute_qdq", mutates_args=())
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
@@ -196,7 +188,6 @@ qdq_dual_bf16.register_fake(lambda x, scale_rule: (_bf16(x), _bf16(x, transposed
 swiglu_qdq.register_fake(lambda h, scale_rule: (
     h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16),
     h.new_empty((h.shape[1] // 2, h.shape[0]), dtype=E4M3), h.new_empty((h.shape[1] // 2, h.shape[0] // 32), dtype=E8M0)))
-swiglu_backward_qdq.register_fake(lambda da, h, scale_rule: (_bf16(h), _bf16(h, transposed=True)))
 permute_qdq.register_fake(lambda x, src, scale_rule: (
     x.new_empty((src.shape[0], x.shape[1]), dtype=torch.bfloat16),
     x.new_empty((x.shape[1], src.shape[0]), dtype=E4M3), x.new_empty((x.shape[1], src.shape[0] // 32), dtype=E8M0)))
