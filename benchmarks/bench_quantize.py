@@ -216,48 +216,6 @@ def _default_cfg(key: str):
     return Q._config_2d(row="row" in key, col="col" in key, tile32=key.endswith("32"))
 
 
-GLUON_KERNELS = ("columnwise", "dual", "weight_columnwise", "weight_1x32_both")
-
-
-def time_gluon(name, shape, x, fn, total, record, configs: str) -> None:
-    """Time fn (a columnwise / dual call) with MXMOE_QUANT_GLUON=1, once per Gluon config; each
-    config's full output is first compared byte for byte with the Triton kernel's (itself checked
-    against the reference), plus the reference spot check. Rows '<name>_gluon'."""
-    cfgs = [None] if configs == "default" else [c.strip() for c in configs.split(";") if c.strip()]
-    saved = {k: os.environ.get(k) for k in ("MXMOE_QUANT_GLUON", "MXMOE_QUANT_GLUON_CFG")}
-    os.environ.pop("MXMOE_QUANT_GLUON", None)
-    want = [t.view(torch.uint8) for t in fn()]  # the Triton kernel's outputs
-    os.environ["MXMOE_QUANT_GLUON"] = "1"
-    try:
-        for c in cfgs:
-            if c is None:
-                os.environ.pop("MXMOE_QUANT_GLUON_CFG", None)
-            else:
-                os.environ["MXMOE_QUANT_GLUON_CFG"] = c
-            from mxmoe.kernels import quantize_gluon as G
-
-            gcfg = G.config("dual" in name or "both" in name)
-            label = "gluon W{}/S{}/GM{}".format(*gcfg)
-            try:
-                out = fn()
-                sync()
-                check(name, x, out)
-                for i, (g, w) in enumerate(zip(out, want)):
-                    if not torch.equal(g.view(torch.uint8), w):
-                        raise AssertionError(f"output {i} differs from the Triton kernel's")
-                del out
-                record(name + "_gluon", shape, total, bench_ms(fn), config=label, key="gluon")
-            except Exception as e:  # noqa: BLE001
-                print(f"gluon {name} {label}: {type(e).__name__}: {e}", flush=True)
-    finally:
-        del want
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200/quantize.json")
@@ -268,10 +226,6 @@ def main():
     ap.add_argument("--precompile-only", action="store_true", help="compile, then exit")
     ap.add_argument("--kernels", default="",
                     help="comma-separated kernel names to run (e.g. columnwise,dual,weight_32x32_both); default all")
-    ap.add_argument("--gluon", nargs="?", const="default", default="",
-                    help="also time the Gluon column kernels (MXMOE_QUANT_GLUON=1) for columnwise, dual and the "
-                         "weights' columnwise / 1x32-both kernels, rows '<kernel>_gluon'; optional value: "
-                         "';'-separated configs 'W,STAGES,GM' (quantize_gluon.GluonConfig), e.g. '4,4,4;8,2,4'")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks this script, times nothing)")
     args = ap.parse_args()
@@ -355,8 +309,6 @@ def main():
                     Q._TUNED[key] = saved
             cfg = Q._TUNED.get(key) or _default_cfg(key)
             record(name, shape, total, bench_ms(fn), config="auto " + cfg_name(cfg), key=key)
-            if args.gluon and name in GLUON_KERNELS and DEV == "cuda":
-                time_gluon(name, shape, x, fn, total, record, args.gluon)
         write_json()  # after every shape, so a run cut short keeps what it measured
         # peers
         if not args.no_reference:
@@ -391,7 +343,7 @@ def main():
         print("note:", n)
     print(f"{'kernel':24s} {'shape':>16s} {'TB/s':>7s} {'copy':>7s} {'% copy':>7s}")
     for r in rows:
-        if r["config"].startswith(("auto", "gluon")):
+        if r["config"].startswith("auto"):
             print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%"
                   f"  {r['config']}")
     if best:

@@ -185,39 +185,20 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         k_cover = -(-K // cover) * cover
         total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, cfg.BK) * B
         dummy = qr if qr is not None else qc
-        if _use_gluon(x3, row, col, tile32):  # MXMOE_QUANT_GLUON=1: the Gluon sm_90 kernel (quantize_gluon)
-            from mxmoe.kernels import quantize_gluon
-
-            quantize_gluon.launch(x3, qr, sr, qc, sc, M, K, B, m_cover, k_cover,
-                                  sr[0].numel() if row else 0, sc[0].numel(), rceil, row, layout)
-        else:
-            args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
-                    M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
-                    sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
-            kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BK=cfg.BK,
-                          SOFT_CVT=_interpreting())
-            kernel = _kernels().mx_quantize_kernel
-            kwargs.update(BM=BM, num_warps=cfg.num_warps)
-            _launch_tiles(kernel, args, kwargs, total, cfg.persistent, x.device)
+        args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
+                M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
+                sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
+        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BK=cfg.BK,
+                      SOFT_CVT=_interpreting())
+        kernel = _kernels().mx_quantize_kernel
+        kwargs.update(BM=BM, num_warps=cfg.num_warps)
+        _launch_tiles(kernel, args, kwargs, total, cfg.persistent, x.device)
     out = []
     if row:
         out += [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)]
     if col:
         out += [finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype)]
     return tuple(out)
-
-
-def _use_gluon(x3: torch.Tensor, row: bool, col: bool, tile32: bool) -> bool:
-    """MXMOE_QUANT_GLUON=1 routes columnwise and dual (incl. the weights' two orientations) to the
-    Gluon kernel of :mod:`mxmoe.kernels.quantize_gluon` where it applies (sm_90+, TMA-legal strides,
-    not 32x32, not the interpreter); anything else keeps the Triton kernel. Default off."""
-    if os.environ.get("MXMOE_QUANT_GLUON", "0") != "1" or _interpreting() or not col or tile32:
-        return False
-    try:
-        from mxmoe.kernels import quantize_gluon
-    except Exception:  # pragma: no cover - triton without Gluon
-        return False
-    return quantize_gluon.supported(x3, row, col, tile32)
 
 
 def triton_cdiv(a: int, b: int) -> int:
