@@ -172,7 +172,7 @@ class MoE(nn.Module):
         """Expert outputs ``yp [M, D]`` -> tokens ``[T, D]``: each token's top_k outputs weighted by
         ``r.weights`` (:func:`~mxmoe.ops.combine`: on CUDA one kernel, and one for its backward).
         ``state`` is what :meth:`permute` returned."""
-        return combine(yp, state.slot_rows, r.weights)
+        return combine(yp, state.slot_rows, r.weights, validate=False)
 
     def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None) -> torch.Tensor:
         """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same

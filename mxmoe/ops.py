@@ -435,11 +435,12 @@ class _ToBF16(torch.autograd.Function):
 # SwiGLU between the expert products
 # --------------------------------------------------------------------------------------------
 def _layer_ops(t: torch.Tensor):
-    """The layer kernels' custom ops (:mod:`mxmoe.kernels.layer`) for a CUDA tensor with triton
+    """The layer kernels (:mod:`mxmoe.kernels.layer`) for a CUDA BF16/FP16/FP32 tensor with triton
     present, else None (the torch ops run). ``MXMOE_LAYER_KERNELS=0`` (read at every call) turns
     them off, e.g. to time the layer with and without them in one run."""
-    if not t.is_cuda or os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0":
-        return None
+    if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+            or os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0":
+        return None  # (FP64 keeps the torch ops: the kernels sum in FP32)
     from mxmoe.kernels import dispatch
 
     return dispatch.layer_ops()
@@ -598,7 +599,7 @@ class _Combine(torch.autograd.Function):
         return dyp, None, dw.view(-1, ctx.top_k).to(ctx.w_dtype), None
 
 
-def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, validate: bool = True) -> torch.Tensor:
     """Expert outputs back in token order, weighted over each token's top_k experts:
     ``y[t] = sum_j weights[t, j] * yp[slot_rows[t*top_k + j]]``.
 
@@ -606,21 +607,35 @@ def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor) ->
         yp: ``[M, D]`` float expert outputs (rows grouped by expert, padding rows ignored).
         slot_rows: ``[T*top_k]`` int64, distinct rows of yp (from :func:`mxmoe.moe.permute_plan`).
         weights: ``[T, top_k]`` float router weights (gradients flow to them and to yp).
+        validate: check that slot_rows are distinct rows of yp (synchronizes with the GPU once;
+            :class:`mxmoe.MoE` passes False: its rows come from :func:`mxmoe.moe.permute_plan`).
+            Unchecked, an out-of-range row adds zero on CUDA.
     Returns:
-        ``[T, D]`` in yp's dtype; products and sums in FP32, rounded once (on CUDA one kernel; the
+        ``[T, D]`` in yp's dtype; products and sums in FP32 (FP64 for FP64 inputs), rounded once (on CUDA one kernel; the
         backward one pass over yp's rows: ``dyp = weights * dy`` rounded to yp's dtype, zero on
         padding rows, and ``dweights[t, j] = <dy[t], yp[row]>`` in FP32).
     Raises:
-        ValueError: shapes that do not match.
+        ValueError: shapes that do not match; with ``validate``, rows out of range or repeated.
+        TypeError: non-float yp or weights, slot_rows not int64.
     """
     if yp.dim() != 2 or weights.dim() != 2 or slot_rows.shape != (weights.numel(),):
         raise ValueError(f"combine expects yp [M, D], weights [T, top_k] and slot_rows [T*top_k]; got "
                          f"{tuple(yp.shape)}, {tuple(weights.shape)}, {tuple(slot_rows.shape)}")
+    if not (yp.is_floating_point() and weights.is_floating_point()) or slot_rows.dtype != torch.int64:
+        raise TypeError(f"combine expects float yp and weights and int64 slot_rows, got {yp.dtype}, "
+                        f"{weights.dtype}, {slot_rows.dtype}")
+    if validate and slot_rows.numel():
+        lo, hi = int(slot_rows.min()), int(slot_rows.max())
+        if lo < 0 or hi >= yp.shape[0]:
+            raise ValueError(f"combine: slot_rows must be rows of yp (0..{yp.shape[0] - 1}), got values in [{lo}, {hi}]")
+        if slot_rows.unique().numel() != slot_rows.numel():
+            raise ValueError("combine: slot_rows repeats a row (each expert row feeds one slot)")
     T, top_k = weights.shape
     if _layer_ops(yp) is not None:
         return _Combine.apply(yp, slot_rows, weights, top_k)
+    acc = torch.promote_types(yp.dtype, torch.float32)  # FP32, or FP64 for FP64 inputs
     y = _GatherRows.apply(yp, slot_rows).view(T, top_k, yp.shape[1])
-    return (y.float() * weights.float().unsqueeze(-1)).sum(1).to(yp.dtype)
+    return (y.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(yp.dtype)
 
 
 def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: int,

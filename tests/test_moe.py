@@ -180,3 +180,26 @@ def test_unpermute_gather_rows_matches_index_select_grad():
     (got,) = torch.autograd.grad(out, yp, g)
     assert torch.equal(out, yp.index_select(0, slot_rows)) and torch.equal(got, want)
     assert M > slot_rows.numel() and (got.abs().sum(1) == 0).sum() == M - slot_rows.numel()
+
+
+def test_combine_matches_weighted_sum_and_rejects_bad_rows():
+    """ops.combine: the FP32 weighted sum of each token's top_k rows with its gradients (float64
+    gradcheck); clear errors for rows out of range, repeated rows, wrong dtypes and shapes."""
+    from mxmoe.ops import combine
+
+    gen = torch.Generator().manual_seed(5)
+    experts = torch.randint(0, 5, (13, 3), generator=gen)
+    slot_rows, _, M, _ = permute_plan(experts, 5, 32)
+    yp = torch.randn(M, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(13, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    want = (yp[slot_rows].view(13, 3, 16) * w[..., None]).sum(1)
+    torch.testing.assert_close(combine(yp, slot_rows, w), want)
+    assert torch.autograd.gradcheck(lambda a, b: combine(a, slot_rows, b), (yp, w))
+    with pytest.raises(ValueError, match="rows of yp"):
+        combine(yp, torch.where(slot_rows == slot_rows.max(), M, slot_rows), w)
+    with pytest.raises(ValueError, match="repeats"):
+        combine(yp, torch.zeros_like(slot_rows), w)
+    with pytest.raises(TypeError, match="int64"):
+        combine(yp, slot_rows.int(), w)
+    with pytest.raises(ValueError, match="combine expects"):
+        combine(yp, slot_rows[:-1], w)

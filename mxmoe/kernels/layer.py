@@ -60,7 +60,8 @@ def gather_sum(src: torch.Tensor, idx: torch.Tensor, top_k: int, w: torch.Tensor
     out = torch.empty(T, D, dtype=src.dtype, device=src.device)
     if T and D:
         grid = (_cdiv(T, _BLOCK_ROWS), _cdiv(D, _BLOCK_COLS))
-        _k().gather_sum_kernel[grid](src, idx, w if w is not None else src, out, T, D, src.stride(0), out.stride(0),
+        _k().gather_sum_kernel[grid](src, idx, w if w is not None else src, out, T, D, src.shape[0],
+                                     src.stride(0), out.stride(0),
                                      TOP_K=top_k, HAS_W=w is not None, BT=_BLOCK_ROWS, BD=_BLOCK_COLS,
                                      SOFT=_soft(), num_warps=_WARPS)
     return out

@@ -42,11 +42,12 @@ def gather_rows_kernel(x_ptr, src_ptr, out_ptr, M, D, T, stride_x, stride_out,
 
 
 @triton.jit
-def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, T, D, stride_src, stride_out,
+def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, T, D, R, stride_src, stride_out,
                       TOP_K: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                       SOFT: tl.constexpr):
     """out [T, D]: out[t] = sum_j w[t*TOP_K + j] * src[idx[t*TOP_K + j]] (w = 1 without HAS_W),
-    summed in FP32 in order j = 0, 1, ..., rounded once to out's dtype."""
+    summed in FP32 in order j = 0, 1, ..., rounded once to out's dtype. src has R rows; an index
+    outside [0, R) reads nothing (adds zero) rather than out-of-bounds memory."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     tmask = t < T
@@ -55,7 +56,8 @@ def gather_sum_kernel(src_ptr, idx_ptr, w_ptr, out_ptr, T, D, stride_src, stride
     for j in tl.static_range(TOP_K):
         s = t.to(tl.int64) * TOP_K + j
         row = tl.load(idx_ptr + s, mask=tmask, other=0).to(tl.int64)
-        v = _to_f32(tl.load(src_ptr + row[:, None] * stride_src + d[None, :], mask=mask, other=0.0))
+        inside = ((row >= 0) & (row < R))[:, None]
+        v = _to_f32(tl.load(src_ptr + row[:, None] * stride_src + d[None, :], mask=mask & inside, other=0.0))
         if HAS_W:
             v = v * tl.load(w_ptr + s, mask=tmask, other=0.0)[:, None]
         acc += v
