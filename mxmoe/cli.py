@@ -53,6 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         preset = args.pop("preset")
         try:
             cfg = make_config(preset, **{k: v for k, v in args.items() if v is not None})
+            if cfg.device:
+                import torch
+
+                try:
+                    torch.device(cfg.device)
+                except RuntimeError as e:
+                    raise ValueError(f"--device {cfg.device!r}: {e}") from None
+            if cfg.out:
+                from pathlib import Path
+
+                try:
+                    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise ValueError(f"--out {cfg.out!r} cannot be created: {e.strerror}") from None
         except ValueError as e:  # a bad flag combination: a usage error (exit 2), not a traceback
             parser.error(f"train: {e}")
         run(cfg)

@@ -44,6 +44,10 @@ class ScaleRule(str, enum.Enum):
     RCEIL = "rceil"
     FLOOR = "floor"
 
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"scale_rule must be one of {[r.value for r in cls]}, got {value!r}")
+
 
 def scale_byte_from_amax(amax: torch.Tensor, rule: ScaleRule | str = ScaleRule.RCEIL) -> torch.Tensor:
     """E8M0 scale bytes for block maxima.
@@ -125,11 +129,14 @@ class MXTensor:
         return self.data.dim()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Return ``data * 2^(scale - 127)`` in ``dtype`` (NaN where the scale is NaN).
+        """Return ``data * 2^(scale - 127)`` in ``dtype`` (NaN where the scale is NaN); TypeError
+        for a non-floating ``dtype``.
 
         The product is formed in float32 (float64 if asked for): an E4M3 value times a power of
         two is exact there, or correctly rounded where it falls into FP32 subnormals.
         """
+        if not dtype.is_floating_point:
+            raise TypeError(f"dequantize needs a floating dtype, got {dtype}")
         work = torch.float64 if dtype == torch.float64 else torch.float32
         s = e8m0_to_float(self.scale, work).repeat_interleave(BLOCK, dim=self.axis)
         return (self.data.to(work) * s).to(dtype)

@@ -192,6 +192,8 @@ class MoE(nn.Module):
         """
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"MoE expects a floating-point input, got {x.dtype}")
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]
         if torch.is_autocast_enabled(x.device.type) and x2.dtype == torch.float32:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from mxmoe import formats
 from mxmoe.formats import BLOCK, MXTensor
@@ -163,7 +164,8 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
         acc = torch.float64 if out_dtype == torch.float64 else torch.float32
         return _reference_grouped_mm(a.dequantize(acc), b.dequantize(acc), offs, out_dtype)
     out_dtype = out_dtype or a.dtype
-    if a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and _aligned_16b(a) and _aligned_16b(b):
+    if (a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and offs.numel() > 0 and _aligned_16b(a)
+            and _aligned_16b(b)):  # (no groups: the reference's zeros; torch._grouped_mm leaves memory unset)
         return torch._grouped_mm(a, b, offs, out_dtype=out_dtype)
     return _reference_grouped_mm(a, b, offs, out_dtype)
 
@@ -259,6 +261,10 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
                              f"{recipe.scale_rule!r} rule, got {t!r}")
     if x_mx is not None and x_mx.axis != 1:
         raise ValueError(f"x_mx must be x quantized along K (axis 1), got axis {x_mx.axis}")
+    if x_mx is not None:
+        xd = x_mx.dequantize(torch.float32).to(x.dtype)
+        if not bool(((xd == x) | (xd.isnan() & x.isnan())).all()):
+            raise ValueError("x_mx must be x quantized along K, with x its dequantized value; they differ")
     if x_wgrad is not None:
         if x_wgrad.axis != 0 or x_mx is not None or not recipe.wgrad_mxfp8:
             raise ValueError(f"x_wgrad must be x quantized along tokens (axis 0), without x_mx, under a recipe "
@@ -269,6 +275,12 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
         if not bool(((xq == x) | (xq.isnan() & x.isnan())).all()):
             raise ValueError("with x_wgrad, x must hold its own MX values along K (e.g. from ops.swiglu or "
                              "ops.permute_tokens); quantizing x changes it")
+        # x_wgrad comes from the tensor x was rounded from (not from x), so only closeness can be
+        # checked: two MX roundings stay within a few % (Frobenius); another tensor does not
+        xw, xf = x_wgrad.dequantize(torch.float32), x.detach().float()
+        fin = xw.isfinite() & xf.isfinite()
+        if float((xw[fin] - xf[fin]).norm()) > 0.25 * float(xf[fin].norm()) + 1e-30:
+            raise ValueError("x_wgrad must be x's tensor quantized along tokens (axis 0); it is far from x")
 
 
 class _MXGroupedLinear(torch.autograd.Function):
@@ -315,6 +327,7 @@ class _MXGroupedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         recipe, rule = ctx.recipe, ctx.recipe.scale_rule
         offs, w = ctx.saved_tensors
@@ -379,7 +392,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         TypeError: non-float inputs, ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
 
     Under ``mxfp8_bf16_wgrad`` dW comes from BF16 ``torch._grouped_mm``, which writes BF16: it is
-    rounded to BF16 as in the ``bf16`` recipe.
+    rounded to BF16 as in the ``bf16`` recipe. First-order gradients only (no double backward).
     """
     recipe = get_recipe(recipe)
     if validate:
@@ -427,6 +440,7 @@ class _ToBF16(torch.autograd.Function):
         return w.to(torch.bfloat16)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return _layer_ops(g).to_float32(g)
 
@@ -471,6 +485,7 @@ class _SwiGLUQDQ(torch.autograd.Function):
         return a16, data_t, scale_t
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, da, *_):
         (h,) = ctx.saved_tensors
         return _swiglu_backward(da, h), None
@@ -497,6 +512,7 @@ class _SwiGLU(torch.autograd.Function):
         return _layer_ops(h).swiglu(h)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, da):
         (h,) = ctx.saved_tensors
         return _swiglu_backward(da, h)
@@ -520,6 +536,7 @@ class _PermuteQDQ(torch.autograd.Function):
         return xp16, data_t, scale_t
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dxp, *_):
         (slot_rows,) = ctx.saved_tensors
         return _permute_backward(dxp, slot_rows, ctx.top_k), None, None, None, None
@@ -558,6 +575,7 @@ class _Permute(torch.autograd.Function):
         return _layer_ops(x2).gather_rows(x2, _row_tokens(slot_rows, rows, top_k), rows)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dxp):
         (slot_rows,) = ctx.saved_tensors
         return _permute_backward(dxp, slot_rows, ctx.top_k), None, None, None
@@ -593,6 +611,7 @@ class _Combine(torch.autograd.Function):
         return _layer_ops(yp).gather_sum(yp, slot_rows, top_k, w)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         yp, slot_rows, w = ctx.saved_tensors
         dyp, dw = _layer_ops(yp).combine_backward(dy, w, yp, _row_slots(slot_rows, yp.shape[0]), ctx.top_k)
@@ -609,7 +628,7 @@ def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, va
         weights: ``[T, top_k]`` float router weights (gradients flow to them and to yp).
         validate: check that slot_rows are distinct rows of yp (synchronizes with the GPU once;
             :class:`mxmoe.MoE` passes False: its rows come from :func:`mxmoe.moe.permute_plan`).
-            Unchecked, an out-of-range row adds zero on CUDA.
+            Unchecked, an out-of-range row is undefined (CUDA adds zero, the CPU path raises).
     Returns:
         ``[T, D]`` in yp's dtype; products and sums in FP32 (FP64 for FP64 inputs), rounded once (on CUDA one kernel; the
         backward one pass over yp's rows: ``dyp = weights * dy`` rounded to yp's dtype, zero on

@@ -237,3 +237,30 @@ def test_x_wgrad_with_mx_values_equals_plain_call():
         outs.append((y, x.grad, wg.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_session3_trial_findings():
+    """Found by the session-3 fresh-user trial: each bad input names the problem; no group gives zeros."""
+    from mxmoe import ops
+
+    g = torch.Generator().manual_seed(6)
+    out = grouped_mm(torch.randn(64, 64, generator=g).bfloat16(), torch.randn(0, 64, 32).bfloat16(),
+                     torch.zeros(0, dtype=torch.int32))
+    assert out.shape == (64, 32) and bool((out == 0).all())  # torch._grouped_mm would leave memory unset
+    x = torch.randn(64, 64, generator=g)
+    w = torch.randn(2, 32, 64, generator=g)
+    offs = offsets([32, 32])
+    other = torch.randn(64, 64, generator=g)
+    with pytest.raises(ValueError, match="x_mx must be x quantized"):
+        grouped_linear(mxmoe.quantize(x).dequantize(), w, offs, "mxfp8", x_mx=mxmoe.quantize(other))
+    xb = mxmoe.quantize(x.bfloat16()).dequantize(torch.float32).bfloat16()  # holds its own MX values
+    with pytest.raises(ValueError, match="far from x"):
+        grouped_linear(xb, w, offs, "mxfp8", x_wgrad=mxmoe.quantize(other.bfloat16(), axis=0))
+    y = grouped_linear(xb, w, offs, "mxfp8", x_wgrad=mxmoe.quantize(xb, axis=0))  # the consistent pair passes
+    assert torch.equal(y, grouped_linear(xb, w, offs, "mxfp8"))
+    with pytest.raises(TypeError, match="floating dtype"):
+        mxmoe.quantize(x).dequantize(torch.int32)
+    with pytest.raises(ValueError, match=r"scale_rule must be one of \['rceil', 'floor'\]"):
+        mxmoe.quantize(x, scale_rule="nearest")
+    with pytest.raises(TypeError, match="floating-point input"):
+        mxmoe.MoE(64, 64, 4, 2, recipe="bf16")(torch.ones(3, 64, dtype=torch.int64))

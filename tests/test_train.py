@@ -139,6 +139,7 @@ def test_config_checks():
     (["--recipes", "bf16,mxfp9"], "unknown recipe 'mxfp9'"),
     (["--val-every-file", "1"], "val_every_file"),
     (["--experts", "3", "--top-k", "5"], "top_k 5"),
+    (["--device", "tpu"], "--device 'tpu'"),
 ])
 def test_cli_rejects_bad_flags_before_training(flags, msg, capsys, tmp_path):
     from mxmoe.cli import main
@@ -147,3 +148,13 @@ def test_cli_rejects_bad_flags_before_training(flags, msg, capsys, tmp_path):
         main(["train", "--preset", "tiny", "--out", str(tmp_path / "o"), *flags])
     assert e.value.code == 2 and msg in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing trained, nothing written
+
+
+def test_cli_rejects_an_output_folder_it_cannot_create(capsys, tmp_path):
+    from mxmoe.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the output folder's parent should be
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--preset", "tiny", "--out", str(blocker / "o")])
+    assert e.value.code == 2 and "cannot be created" in capsys.readouterr().err
