@@ -183,6 +183,9 @@ def run_case(shape, proj, balance, quick, gen):
                         row["expand_rel_err"], ms_e = check_and_time(fe, err, quick)
                         row["expand_tflops"] = tfl(ms_e)
                         row["expand_vs_bf16"] = row["expand_tflops"] / row["bf16_tflops"]
+                        fe2 = lambda: mx_expand_grouped_mm(a, sa, b, sb, offs, bf16_scale=True)  # noqa: E731
+                        row["expand_bf16_scale_rel_err"], ms_e2 = check_and_time(fe2, err, quick)
+                        row["expand_bf16_scale_tflops"] = tfl(ms_e2)
                     except Exception as exc:
                         row["expand_error"] = f"{type(exc).__name__}: {exc}"[:400]
                 row["pass_ok"] = bool(row["rel_err"] <= 4e-3)

@@ -73,19 +73,21 @@ def test_expand_gemm_interpreted():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("groups,N,K", [([0, 1000, 0, 3000, 17, 0], 1536, 2048), ([4096] * 8, 4096, 1024)])
-def test_gpu_expand_gemm_matches_reference_and_expansion_route(groups, N, K):
+@pytest.mark.parametrize("bf16_scale", [False, True])
+def test_gpu_expand_gemm_matches_reference_and_expansion_route(groups, N, K, bf16_scale):
     from mxmoe.kernels.dequantize import dequantize_bf16
     from mxmoe.kernels.sm90_expand_gemm import mx_expand_grouped_mm
     from mxmoe.ops import quantize
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     M = sum(groups) + 64
-    a = torch.randn(M, K, generator=gen, device="cuda")
+    a = torch.randn(M, K, generator=gen, device="cuda") * torch.exp2(torch.randint(-30, 30, (M, 1), generator=gen,
+                                                                                     device="cuda").float())
     b = torch.randn(len(groups), N, K, generator=gen, device="cuda")
     aq, bq = quantize(a, axis=-1), quantize(b, axis=-1)
     offs = torch.tensor(groups, device="cuda").cumsum(0).to(torch.int32)
     end = int(offs[-1])
-    c32 = mx_expand_grouped_mm(aq.data, aq.scale, bq.data, bq.scale, offs, torch.float32)
+    c32 = mx_expand_grouped_mm(aq.data, aq.scale, bq.data, bq.scale, offs, torch.float32, bf16_scale=bf16_scale)
     ad, bd = aq.dequantize(torch.float64), bq.dequantize(torch.float64)
     num = den = 0.0
     start = 0
@@ -96,8 +98,12 @@ def test_gpu_expand_gemm_matches_reference_and_expansion_route(groups, N, K):
             den += ref.pow(2).sum().item()
         start = stop
     assert (num / den) ** 0.5 <= 1e-5
-    c16 = mx_expand_grouped_mm(aq.data, aq.scale, bq.data, bq.scale, offs, torch.bfloat16)
+    c16 = mx_expand_grouped_mm(aq.data, aq.scale, bq.data, bq.scale, offs, torch.bfloat16, bf16_scale=bf16_scale)
     assert torch.equal(c16[:end], c32[:end].bfloat16())
-    assert torch.equal(mx_expand_grouped_mm(aq.data, aq.scale, bq.data, bq.scale, offs, torch.bfloat16)[:end], c16[:end])
+    again = mx_expand_grouped_mm(aq.data, aq.scale, bq.data, bq.scale, offs, torch.bfloat16, bf16_scale=bf16_scale)
+    assert torch.equal(again[:end], c16[:end])
+    # the expanded operands are the same BF16 values either way: equal to the default expansion's result
+    base = mx_expand_grouped_mm(aq.data, aq.scale, bq.data, bq.scale, offs, torch.float32)
+    assert torch.equal(c32[:end], base[:end])
     route = torch._grouped_mm(dequantize_bf16(aq.data, aq.scale), dequantize_bf16(bq.data, bq.scale).mT, offs=offs)
     torch.testing.assert_close(c16[:end].float(), route[:end].float(), rtol=1.6e-2, atol=1e-3)
