@@ -89,12 +89,13 @@ def _reference_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, 
         for e, (s, t) in enumerate(zip(starts, ends)):
             if t > s:
                 out[s:t] = (a[s:t] @ b[e]).to(out_dtype)
-        return out
-    # [N,T] x [T,K] -> [E,N,K]
-    out = torch.zeros(len(ends), a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    for e, (s, t) in enumerate(zip(starts, ends)):
-        if t > s:
-            out[e] = (a[:, s:t] @ b[s:t]).to(out_dtype)
+    else:  # [N,T] x [T,K] -> [E,N,K]
+        out = torch.zeros(len(ends), a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            if t > s:
+                out[e] = (a[:, s:t] @ b[s:t]).to(out_dtype)
+    if not any(t > s for s, t in zip(starts, ends)):  # no rows: keep a and b in the graph (zero gradients)
+        out = out + (a.flatten()[:0].sum() + b.flatten()[:0].sum()).to(out_dtype)
     return out
 
 

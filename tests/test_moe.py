@@ -203,3 +203,13 @@ def test_combine_matches_weighted_sum_and_rejects_bad_rows():
         combine(yp, slot_rows.int(), w)
     with pytest.raises(ValueError, match="combine expects"):
         combine(yp, slot_rows[:-1], w)
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "bf16", "mxfp8"])
+def test_zero_tokens_give_zero_expert_gradients(recipe):
+    """An empty batch still connects the expert weights to autograd: zero gradients, not None."""
+    moe = mxmoe.MoE(64, 64, 4, 2, recipe=recipe)
+    y = moe(torch.randn(0, 64))
+    (y.sum() + moe.aux_loss).backward()
+    for p in (moe.w13, moe.w2):
+        assert p.grad is not None and bool((p.grad == 0).all())
