@@ -188,7 +188,8 @@ class MoE(nn.Module):
         """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype.
 
         Under autocast (e.g. BF16 on CUDA) the experts run on activations in the autocast dtype, as
-        autocast's own linear layers would (the router stays FP32); the output is cast back to x's dtype.
+        autocast's own linear layers would; the router sees x itself (FP32 products); the output is
+        cast back to x's dtype.
         """
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
@@ -196,9 +197,9 @@ class MoE(nn.Module):
             raise TypeError(f"MoE expects a floating-point input, got {x.dtype}")
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]
+        r = self.route(x2)  # on x's own values (FP32 under autocast's FP32 residual stream)
         if torch.is_autocast_enabled(x.device.type) and x2.dtype == torch.float32:
             x2 = x2.to(torch.get_autocast_dtype(x.device.type))  # BF16 activations: the fused kernels apply
-        r = self.route(x2)
         xp, offs, x_mx, state = self.permute(x2, r)  # [M, D]
         yp = self.experts_forward(xp, offs, x_mx)  # [M, D]
         y = self.unpermute(yp, state, r)  # [T, D]

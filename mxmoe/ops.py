@@ -263,7 +263,7 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
     if x_mx is not None and x_mx.axis != 1:
         raise ValueError(f"x_mx must be x quantized along K (axis 1), got axis {x_mx.axis}")
     if x_mx is not None:
-        xd = x_mx.dequantize(torch.float32).to(x.dtype)
+        xd = x_mx.dequantize(x.dtype)
         if not bool(((xd == x) | (xd.isnan() & x.isnan())).all()):
             raise ValueError("x_mx must be x quantized along K, with x its dequantized value; they differ")
     if x_wgrad is not None:
@@ -278,9 +278,12 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
                              "ops.permute_tokens); quantizing x changes it")
         # x_wgrad comes from the tensor x was rounded from (not from x), so only closeness can be
         # checked: two MX roundings stay within a few % (Frobenius); another tensor does not
-        xw, xf = x_wgrad.dequantize(torch.float32), x.detach().float()
-        fin = xw.isfinite() & xf.isfinite()
-        if float((xw[fin] - xf[fin]).norm()) > 0.25 * float(xf[fin].norm()) + 1e-30:
+        xd = x.detach()
+        fin = torch.isfinite(xd)
+        diff = torch.where(fin, x_wgrad.dequantize(x.dtype) - xd, 0).nan_to_num(0.0, 0.0, 0.0)
+        far = torch.linalg.vector_norm(diff, dtype=torch.float32) > \
+            0.25 * torch.linalg.vector_norm(torch.where(fin, xd, 0), dtype=torch.float32) + 1e-30
+        if bool(far):
             raise ValueError("x_wgrad must be x's tensor quantized along tokens (axis 0); it is far from x")
 
 
@@ -438,12 +441,13 @@ class _ToBF16(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w):
+        ctx.ops = _layer_ops(w)  # the backward uses what the forward chose (MXMOE_LAYER_KERNELS may change)
         return w.to(torch.bfloat16)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        return _layer_ops(g).to_float32(g)
+        return ctx.ops.to_float32(g) if ctx.ops is not None else g.float()
 
 
 # --------------------------------------------------------------------------------------------
@@ -608,14 +612,14 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, yp, slot_rows, weights, top_k: int):
         w = weights.reshape(-1).to(torch.float32).contiguous()
         ctx.save_for_backward(yp, slot_rows, w)
-        ctx.top_k, ctx.w_dtype = top_k, weights.dtype
-        return _layer_ops(yp).gather_sum(yp, slot_rows, top_k, w)
+        ctx.top_k, ctx.w_dtype, ctx.ops = top_k, weights.dtype, _layer_ops(yp)
+        return ctx.ops.gather_sum(yp, slot_rows, top_k, w)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         yp, slot_rows, w = ctx.saved_tensors
-        dyp, dw = _layer_ops(yp).combine_backward(dy, w, yp, _row_slots(slot_rows, yp.shape[0]), ctx.top_k)
+        dyp, dw = ctx.ops.combine_backward(dy, w, yp, _row_slots(slot_rows, yp.shape[0]), ctx.top_k)
         return dyp, None, dw.view(-1, ctx.top_k).to(ctx.w_dtype), None
 
 
@@ -629,7 +633,8 @@ def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, va
         weights: ``[T, top_k]`` float router weights (gradients flow to them and to yp).
         validate: check that slot_rows are distinct rows of yp (synchronizes with the GPU once;
             :class:`mxmoe.MoE` passes False: its rows come from :func:`mxmoe.moe.permute_plan`).
-            Unchecked, an out-of-range row is undefined (CUDA adds zero, the CPU path raises).
+            Unchecked, an out-of-range row is an error or undefined (the CPU path raises; on CUDA the
+            forward adds zero and the backward's row map fails a device-side check).
     Returns:
         ``[T, D]`` in yp's dtype; products and sums in FP32 (FP64 for FP64 inputs), rounded once (on CUDA one kernel; the
         backward one pass over yp's rows: ``dyp = weights * dy`` rounded to yp's dtype, zero on
@@ -668,7 +673,8 @@ def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: 
     an MXFP8 recipe with MX wgrad, ``rows % 32 == D % 32 == 0``) one fused kernel returns ``xp`` as
     its BF16 MX values along D (``qdq_dual(xp)[0]`` bit for bit) and ``xp_wgrad`` its FP8 copy along
     rows: pass both to :func:`grouped_linear` (``x_wgrad=xp_wgrad``). Elsewhere ``(xp, None)``, xp
-    built by ``repeat_interleave`` + ``index_copy``. Gradients flow to x2 either way, the same bits.
+    gathered by the layer's gather kernel on CUDA, by ``repeat_interleave`` + ``index_copy`` on the CPU
+    (the same values). Gradients flow to x2 either way, the same bits.
 
     The environment variable ``MXMOE_FUSED_PERMUTE`` (read at every call; default ``"1"``) set to
     ``"0"`` disables the fused kernel (e.g. to time the layer with and without it in one run).

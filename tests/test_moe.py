@@ -213,3 +213,16 @@ def test_zero_tokens_give_zero_expert_gradients(recipe):
     (y.sum() + moe.aux_loss).backward()
     for p in (moe.w13, moe.w2):
         assert p.grad is not None and bool((p.grad == 0).all())
+
+
+def test_router_sees_fp32_input_under_autocast():
+    """Under autocast the experts get BF16 activations but the router routes on x itself: the same
+    routing (and load-balancing loss, bit for bit) as without autocast."""
+    torch.manual_seed(0)
+    moe = mxmoe.MoE(64, 64, 8, 2, recipe="bf16")
+    x = torch.randn(300, 64)
+    moe(x)
+    aux = moe.aux_loss.clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert y.dtype == torch.float32 and torch.equal(moe.aux_loss, aux)

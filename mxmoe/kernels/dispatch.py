@@ -232,5 +232,5 @@ def bf16_grouped_mm(a16: torch.Tensor, b16: torch.Tensor, offs: torch.Tensor, ou
     dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel)."""
     out = torch._grouped_mm(a16, b16, offs)
     if out_dtype == torch.float32 and out.is_cuda and _triton_ok():
-        return _ops().to_float32(out)
+        return layer_ops().to_float32(out)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)

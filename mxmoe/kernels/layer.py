@@ -10,7 +10,7 @@ validate shapes (these are reached through :mod:`mxmoe.ops`, which checks them o
                             (dyp ``[M, D]``, dw ``[T*k]`` fp32)
 ``swiglu``                  h ``[M, 2F]`` bf16 -> ``silu(h[:, :F]) * h[:, F:]`` ``[M, F]`` bf16
 ``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) bf16 -> dh ``[M, 2F]`` bf16
-``to_float32``              bf16/fp16 x (any shape) -> float32 copy (e.g. a weight gradient)
+``to_float32``              bf16/fp16/fp32 x (any shape) -> float32 copy (e.g. a weight gradient)
 ==========================  ====================================================================
 """
 
@@ -110,7 +110,7 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:
-    """FP32 copy of a BF16/FP16 tensor (contiguous result of x's shape)."""
+    """FP32 copy of a BF16/FP16/FP32 tensor (contiguous result of x's shape)."""
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     n, block = x.numel(), 4096

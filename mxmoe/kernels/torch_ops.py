@@ -1,6 +1,8 @@
 """The CUDA kernels as ``torch.library`` custom ops (namespace ``mxmoe``), each with a fake
 (meta) implementation, so ``torch.compile`` traces them as single nodes and CUDA graphs capture
-them. The dispatch layer (:mod:`mxmoe.kernels.dispatch`) calls kernels only through these ops.
+them. The dispatch layer (:mod:`mxmoe.kernels.dispatch`) calls the quantization and GEMM kernels
+through these ops; the layer kernels (gather, combine, SwiGLU, cast) go through them under
+torch.compile and straight to their launchers in eager mode (``dispatch.layer_ops``).
 
 Shapes (``...`` = optional leading batch dim, e.g. experts):
 
@@ -20,7 +22,7 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``combine_backward``        (dy ``[T, D]``, w ``[T*k]``, yp ``[M, D]``, slot ``[M]``, top_k) -> (dyp, dw)
 ``swiglu``                  h ``[M, 2F]`` bf16 -> ``silu(h[:, :F]) * h[:, F:]`` ``[M, F]``
 ``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) -> dh ``[M, 2F]``
-``to_float32``              bf16/fp16 x -> float32 copy
+``to_float32``              bf16/fp16/fp32 x -> float32 copy
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
 ==========================  =====================================================================
