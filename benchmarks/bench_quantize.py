@@ -36,7 +36,11 @@ ACTS = [(32768, 7168), (131072, 2048), (16384, 5120)]
 WEIGHTS = [(8, 28672, 4096), (128, 1536, 2048)]
 P, NP = True, False  # persistent (prefetching) launch / one program per tile
 T = Q.TileConfig
-_COLS = [T(64, 64, 2, P), T(64, 128, 4, P), T(32, 256, 4, P)]
+# Columnwise families: register-limited occupancy (NOTES_quantize.md, session 3: 212-254 registers,
+# 8 warps per SM at 64x64/w2); smaller per-thread tiles reach 12-20 warps per SM (offline sm_90
+# compile: 64x64/w4 128 registers, 32x64/w2 96, 32x128/w2 154, 32x64/w1 116; dual ~40-90 more)
+_COLS = [T(64, 64, 2, P), T(64, 128, 4, P), T(32, 256, 4, P), T(64, 64, 4, P), T(32, 64, 2, P), T(32, 128, 2, P),
+         T(32, 64, 1, P)]
 SWEEP = {  # _TUNED key -> candidate TileConfigs of mx_quantize_kernel
     "row": [T(32, 512, 8, P), T(32, 256, 4, P), T(32, 256, 4, NP)],
     "col": _COLS,
