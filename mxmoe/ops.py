@@ -248,6 +248,11 @@ def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return dispatch.bf16_grouped_mm(dispatch.expand_bf16(a), dispatch.expand_bf16(b), offs, out_dtype)
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN matching NaN (synchronizes with the GPU)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
     """grouped_linear's ``x_mx`` / ``x_wgrad`` contract (see there); raises TypeError / ValueError."""
     for name, t in (("x_mx", x_mx), ("x_wgrad", x_wgrad)):
@@ -263,8 +268,7 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
     if x_mx is not None and x_mx.axis != 1:
         raise ValueError(f"x_mx must be x quantized along K (axis 1), got axis {x_mx.axis}")
     if x_mx is not None:
-        xd = x_mx.dequantize(x.dtype)
-        if not bool(((xd == x) | (xd.isnan() & x.isnan())).all()):
+        if not _same_values(x_mx.dequantize(x.dtype), x):
             raise ValueError("x_mx must be x quantized along K, with x its dequantized value; they differ")
     if x_wgrad is not None:
         if x_wgrad.axis != 0 or x_mx is not None or not recipe.wgrad_mxfp8:
@@ -273,7 +277,7 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"with x_wgrad, x must be bfloat16 (its own BF16 MX values), got {x.dtype}")
         xq = quantize(x.detach(), axis=-1, scale_rule=recipe.scale_rule).dequantize(torch.float32).to(x.dtype)
-        if not bool(((xq == x) | (xq.isnan() & x.isnan())).all()):
+        if not _same_values(xq, x):
             raise ValueError("with x_wgrad, x must hold its own MX values along K (e.g. from ops.swiglu or "
                              "ops.permute_tokens); quantizing x changes it")
         # x_wgrad comes from the tensor x was rounded from (not from x), so only closeness can be

@@ -16,9 +16,9 @@ validate shapes (these are reached through :mod:`mxmoe.ops`, which checks them o
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from mxmoe.kernels.quantize import _interpreting as _soft, triton_cdiv as _cdiv
 
 _BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 4  # [4, 1024] tiles: 8 KB of BF16 per program, 16-byte accesses
 
@@ -27,14 +27,6 @@ def _k():
     from mxmoe.kernels import layer_triton
 
     return layer_triton
-
-
-def _soft() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _rows_last_contiguous(x: torch.Tensor) -> torch.Tensor:

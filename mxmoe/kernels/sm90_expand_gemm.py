@@ -31,6 +31,7 @@ import os
 import torch
 
 from mxmoe.formats import BLOCK
+from mxmoe.kernels.quantize import _interpreting
 
 _E4M3, _E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 
@@ -161,7 +162,7 @@ def mx_expand_grouped_mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: to
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     tile_end = torch.cumsum((counts + BM - 1) // BM * triton.cdiv(N, BN), 0).to(torch.int32)
     grid = ((triton.cdiv(M, BM) + E) * triton.cdiv(N, BN),)
-    soft = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    soft = _interpreting()
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 (loaded as bytes, bitcast in the kernel)
     mx_expand_grouped_gemm_kernel[grid](
         u8(a_data), u8(a_scale), u8(b_data), u8(b_scale), c, offs, tile_end,
