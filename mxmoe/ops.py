@@ -458,11 +458,10 @@ class _ToBF16(torch.autograd.Function):
 # SwiGLU between the expert products
 # --------------------------------------------------------------------------------------------
 def _layer_ops(t: torch.Tensor):
-    """The layer kernels (:mod:`mxmoe.kernels.layer`) for a CUDA BF16/FP16/FP32 tensor with triton
-    present, else None (the torch ops run). ``MXMOE_LAYER_KERNELS=0`` (read at every call) turns
-    them off, e.g. to time the layer with and without them in one run."""
-    if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
-            or os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0":
+    """The layer kernels (:mod:`mxmoe.kernels.layer`, via :func:`mxmoe.kernels.dispatch.layer_ops`)
+    for a CUDA BF16/FP16/FP32 tensor, else None (the torch ops run). ``MXMOE_LAYER_KERNELS=0`` turns
+    them off (e.g. to time the layer with and without them in one run)."""
+    if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None  # (FP64 keeps the torch ops: the kernels sum in FP32)
     from mxmoe.kernels import dispatch
 

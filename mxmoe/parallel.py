@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mxmoe import ops
 from mxmoe.formats import BLOCK, MXTensor
 from mxmoe.moe import MoE, Routing
-from mxmoe import ops
 from mxmoe.ops import quantize
 from mxmoe.recipes import Recipe
 

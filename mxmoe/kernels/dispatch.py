@@ -203,10 +203,11 @@ def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
 
 def layer_ops():
     """The layer kernels (gather, gather-sum, combine backward, SwiGLU and its backward, the FP32
-    cast: :mod:`mxmoe.kernels.layer`), or None without triton. Under torch.compile their custom ops
+    cast: :mod:`mxmoe.kernels.layer`), or None without triton or with ``MXMOE_LAYER_KERNELS=0``
+    (read at every call; the torch ops run instead). Under torch.compile their custom ops
     (:mod:`mxmoe.kernels.torch_ops`, same names and arguments); in eager mode the launchers
     themselves, which skips the custom-op dispatch (small layers are CPU-bound)."""
-    if not _triton_ok():
+    if os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0" or not _triton_ok():
         return None
     if torch.compiler.is_compiling():
         return _ops()
@@ -231,6 +232,7 @@ def bf16_grouped_mm(a16: torch.Tensor, b16: torch.Tensor, offs: torch.Tensor, ou
     """``torch._grouped_mm`` of BF16 operands; it writes BF16 (torch 2.11 takes no other output
     dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel)."""
     out = torch._grouped_mm(a16, b16, offs)
-    if out_dtype == torch.float32 and out.is_cuda and _triton_ok():
-        return layer_ops().to_float32(out)
+    ops = layer_ops() if out_dtype == torch.float32 and out.is_cuda else None
+    if ops is not None:
+        return ops.to_float32(out)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
