@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mxmoe.kernels.quantize_triton import _to_bf16, _to_f32
+from mxmoe.kernels.quantize_triton import _silu_mul_bf16, _to_bf16, _to_f32
 
 
 @triton.jit
@@ -104,63 +104,59 @@ def to_float32_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _exp(x, SOFT: tl.constexpr):
-    """CUDA's expf (libdevice ``__nv_expf``, what torch's kernels call); numpy's under the interpreter."""
+def _swiglu_grads_bf16(da_raw, gate_raw, up_raw, SOFT: tl.constexpr):
+    """(d_gate, d_up) in BF16 for ``a = F.silu(gate) * up`` (all BF16), torch autograd's arithmetic
+    op for op: d_up = bf16(da * bf16(silu(g))); d_gate = silu_backward(bf16(da * up), g), i.e. in
+    FP32 ``t * s * (1 + g * (1 - s))`` with s = 1 / (1 + exp(-g)) (the inner ``1 + g*(1-s)`` one
+    FMA, as nvcc contracts it), rounded to BF16. silu and the exp/division are those of
+    quantize_triton._silu_mul_bf16 (CUDA's expf, IEEE division; numpy's under the interpreter)."""
+    g = _to_f32(gate_raw)
+    da = _to_f32(da_raw)
     if SOFT:
-        return tl.exp(x)
+        e = 1.0 + tl.exp(-g)
+        silu = g / e
+        s = 1.0 / e
+        inner = 1.0 + g * (1.0 - s)
     else:
-        return libdevice.exp(x)
+        e = 1.0 + libdevice.exp(-g)
+        silu = tl.math.div_rn(g, e)
+        s = tl.math.div_rn(1.0, e)
+        inner = tl.fma(g, 1.0 - s, 1.0)
+    t = _to_f32(_to_bf16(da * _to_f32(up_raw), SOFT))
+    d_up = _to_bf16(da * _to_f32(_to_bf16(silu, SOFT)), SOFT)
+    return _to_bf16(t * s * inner, SOFT), d_up
 
 
 @triton.jit
-def _div(a, b, SOFT: tl.constexpr):
-    """IEEE division (round to nearest), as torch's kernels divide."""
-    if SOFT:
-        return a / b
-    else:
-        return tl.math.div_rn(a, b)
-
-
-@triton.jit
-def _swiglu_tile(h_ptr, M, F, stride_h, BR: tl.constexpr, BF: tl.constexpr):
+def _swiglu_rows(h_ptr, M, F, stride_h, BR: tl.constexpr, BF: tl.constexpr):
+    """This program's [BR, BF] tile of the [M, F] grid: (rows as int64 [BR, 1], columns [1, BF],
+    mask, pointers to the gate half of h; the up half is F further)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     f = tl.program_id(1) * BF + tl.arange(0, BF)
     mask = (r < M)[:, None] & (f < F)[None, :]
-    gp = h_ptr + r.to(tl.int64)[:, None] * stride_h + f[None, :]
-    gate = _to_f32(tl.load(gp, mask=mask, other=0.0))
-    up = _to_f32(tl.load(gp + F, mask=mask, other=0.0))
-    return r, f, mask, gate, up
+    r64 = r.to(tl.int64)[:, None]
+    return r64, f[None, :], mask, h_ptr + r64 * stride_h + f[None, :]
 
 
 @triton.jit
 def swiglu_kernel(h_ptr, a_ptr, M, F, stride_h, stride_a, BR: tl.constexpr, BF: tl.constexpr, SOFT: tl.constexpr):
     """a [M, F] = silu(gate) * up of h [M, 2F] bf16 (gate = h[:, :F], up = h[:, F:]), as torch
-    computes ``F.silu(gate) * up`` in BF16: silu = g / (1 + exp(-g)) in FP32 rounded to BF16, then
-    the product rounded to BF16."""
-    r, f, mask, gate, up = _swiglu_tile(h_ptr, M, F, stride_h, BR, BF)
-    silu = _to_f32(_to_bf16(_div(gate, 1.0 + _exp(-gate, SOFT), SOFT), SOFT))
-    tl.store(a_ptr + r.to(tl.int64)[:, None] * stride_a + f[None, :], _to_bf16(silu * up, SOFT), mask=mask)
+    computes ``F.silu(gate) * up`` in BF16 (quantize_triton._silu_mul_bf16, shared with the fused
+    SwiGLU + QDQ kernel)."""
+    r64, f, mask, gp = _swiglu_rows(h_ptr, M, F, stride_h, BR, BF)
+    a = _silu_mul_bf16(tl.load(gp, mask=mask, other=0.0), tl.load(gp + F, mask=mask, other=0.0), SOFT)
+    tl.store(a_ptr + r64 * stride_a + f, a, mask=mask)
 
 
 @triton.jit
 def swiglu_backward_kernel(da_ptr, h_ptr, dh_ptr, M, F, stride_da, stride_h, stride_dh,
                            BR: tl.constexpr, BF: tl.constexpr, SOFT: tl.constexpr):
     """dh [M, 2F] from da [M, F] and h [M, 2F] (all bf16), the gradient torch's autograd computes
-    for ``F.silu(gate) * up`` in BF16, op for op:
-    d_up = bf16(da * bf16(silu(g))); d_gate = silu_backward(bf16(da * up), g), i.e. in FP32
-    ``t * s * (1 + g * (1 - s))`` with s = 1 / (1 + exp(-g)) (the inner ``1 + g*(1-s)`` one FMA, as
-    nvcc contracts it), rounded to BF16."""
-    r, f, mask, gate, up = _swiglu_tile(h_ptr, M, F, stride_h, BR, BF)
-    r64 = r.to(tl.int64)[:, None]
-    da = _to_f32(tl.load(da_ptr + r64 * stride_da + f[None, :], mask=mask, other=0.0))
-    e = 1.0 + _exp(-gate, SOFT)
-    silu = _to_f32(_to_bf16(_div(gate, e, SOFT), SOFT))
-    s = _div(1.0, e, SOFT)
-    t = _to_f32(_to_bf16(da * up, SOFT))
-    if SOFT:
-        inner = 1.0 + gate * (1.0 - s)
-    else:
-        inner = tl.fma(gate, 1.0 - s, 1.0)
-    dp = dh_ptr + r64 * stride_dh + f[None, :]
-    tl.store(dp, _to_bf16(t * s * inner, SOFT), mask=mask)
-    tl.store(dp + F, _to_bf16(da * silu, SOFT), mask=mask)
+    for ``F.silu(gate) * up`` in BF16, op for op (_swiglu_grads_bf16)."""
+    r64, f, mask, gp = _swiglu_rows(h_ptr, M, F, stride_h, BR, BF)
+    da = tl.load(da_ptr + r64 * stride_da + f, mask=mask, other=0.0)
+    d_gate, d_up = _swiglu_grads_bf16(da, tl.load(gp, mask=mask, other=0.0), tl.load(gp + F, mask=mask, other=0.0),
+                                      SOFT)
+    dp = dh_ptr + r64 * stride_dh + f
+    tl.store(dp, d_gate, mask=mask)
+    tl.store(dp + F, d_up, mask=mask)
