@@ -144,7 +144,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--recipes", default="mxfp8,mxfp8_2d,bf16,loop")
+    ap.add_argument("--recipes", default="mxfp8,mxfp8_2d,mxfp8_lowmem,bf16,loop")
     ap.add_argument("--balance", default="balanced,skewed")
     args = ap.parse_args()
     dev = "cuda"

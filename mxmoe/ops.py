@@ -481,14 +481,18 @@ def _fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: to
 class _SwiGLUQDQ(torch.autograd.Function):
     """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual QDQ (forward, one read of
     h, a never written); backward: the torch SwiGLU gradient (the ops autograd runs for
-    ``F.silu(gate) * up``, so the same bits), from h alone (silu recomputed, not saved)."""
+    ``F.silu(gate) * up``, so the same bits), from h alone (silu recomputed, not saved). With
+    ``save_h_fp8`` the same read also writes h as MXFP8 along 2F, which is what is kept (see
+    :func:`swiglu`)."""
 
     @staticmethod
-    def forward(ctx, h, scale_rule: str):
+    def forward(ctx, h, scale_rule: str, save_h_fp8: bool):
         from mxmoe.kernels import dispatch
 
-        a16, data_t, scale_t = dispatch.swiglu_qdq(h, scale_rule)  # columnwise storage [F, M], [F, M/32]
-        ctx.save_for_backward(h)
+        # a's columnwise storage [F, M], [F, M/32]; then h along 2F, or two empty tensors
+        a16, data_t, scale_t, qh, sh = dispatch.swiglu_qdq(h, scale_rule, save_h_fp8)
+        ctx.h_mx = MXTensor(qh, sh, 1, scale_rule) if save_h_fp8 else None
+        ctx.save_for_backward(None if save_h_fp8 else h)
         ctx.mark_non_differentiable(data_t, scale_t)
         return a16, data_t, scale_t
 
@@ -496,16 +500,45 @@ class _SwiGLUQDQ(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, da, *_):
         (h,) = ctx.saved_tensors
-        return _swiglu_backward(da, h), None
+        return _swiglu_backward(da, ctx.h_mx if h is None else h), None, None
 
 
-def _swiglu_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+class _SwiGLUSavedMX(torch.autograd.Function):
+    """``a = F.silu(gate) * up`` of ``h [M, 2F]`` that keeps h for backward as MXFP8 along 2F
+    (``quantize(h, -1, scale_rule)``) and takes SwiGLU's gradient at h's MX values: the
+    ``swiglu_input_fp8`` recipes off the fused path (CPU, non-bf16 h), the same numbers as there."""
+
+    @staticmethod
+    def forward(ctx, h, scale_rule: str):
+        ops = _layer_ops(h)
+        if ops is not None and h.dim() == 2 and h.dtype == torch.bfloat16:
+            a = ops.swiglu(h)
+        else:
+            gate, up = h.split(h.shape[-1] // 2, dim=-1)
+            a = torch.nn.functional.silu(gate) * up
+        ctx.h_mx = quantize(h.detach(), -1, scale_rule)
+        return a
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da):
+        return _swiglu_backward(da, ctx.h_mx), None
+
+
+def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor") -> torch.Tensor:
     """dh ``[M, 2F]`` of ``a = F.silu(gate) * up`` from ``da [M, F]``: torch's autograd arithmetic,
-    from one pass of the layer kernel on CUDA for bf16 (bit for bit the same)."""
-    ops = _layer_ops(h)
+    from one pass of the layer kernel on CUDA for bf16 (bit for bit the same). h may be an
+    MXTensor along its last dim: the gradient is then taken at its MX values in da's dtype (the
+    CUDA kernel expands them itself, for a 2D bf16 da and F % 32 == 0)."""
+    ops = _layer_ops(da)
+    if isinstance(h, MXTensor):
+        if (ops is not None and da.dtype == torch.bfloat16 and da.dim() == 2 and h.axis == 1
+                and da.shape[1] % BLOCK == 0):
+            return ops.swiglu_backward(da, h.data, h.scale)
+        h = h.dequantize(da.dtype)
     if ops is not None and h.dtype == da.dtype == torch.bfloat16:
         return ops.swiglu_backward(da, h)
-    gate, up = h.split(h.shape[1] // 2, dim=-1)
+    gate, up = h.split(h.shape[-1] // 2, dim=-1)
     dgate = torch.ops.aten.silu_backward(da * up, gate)
     return torch.cat([dgate, da * torch.nn.functional.silu(gate)], dim=-1)
 
@@ -706,16 +739,24 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
     BF16 MX values along F (``qdq_rowwise(F.silu(gate) * up)`` bit for bit) and ``a_wgrad`` its FP8
     copy along tokens: pass both to :func:`grouped_linear` (``x_wgrad=a_wgrad``). Elsewhere
     ``(F.silu(gate) * up, None)``. Gradients flow to h either way.
+
+    Under a recipe with ``swiglu_input_fp8`` (and ``F % 32 == 0``) h is kept for backward as MXFP8
+    along 2F, not BF16 (on the fused path written by the same kernel, from the same read of h), and
+    the SwiGLU gradient is taken at h's MX values: an approximation of the exact gradient, with
+    MXFP8's relative error (about 2^-4 per element at worst), like the quantized dgrad operands.
     """
     recipe = get_recipe(recipe)
     if h.dim() < 1 or h.shape[-1] % 2:
         raise ValueError(f"swiglu expects h [..., 2F] (gate and up halves), got shape {tuple(h.shape)}")
     f = h.shape[-1] // 2
+    save_fp8 = recipe.swiglu_input_fp8 and f % BLOCK == 0
     if _fused_qdq(h, h.shape[0], f, recipe, w_next):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 
-        a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule)
+        a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule, save_fp8)
         return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
+    if save_fp8:
+        return _SwiGLUSavedMX.apply(h, recipe.scale_rule), None
     if h.dim() == 2 and h.dtype == torch.bfloat16 and _layer_ops(h) is not None:
         return _SwiGLU.apply(h), None
     gate, up = h.split(f, dim=-1)

@@ -16,6 +16,10 @@ class Recipe:
     scale_rule: str = "rceil"  # E8M0 scale rule, "rceil" or "floor" (mxmoe.formats.ScaleRule)
     compute_dtype: str = "bfloat16"  # operand dtype of the non-MX products ("float32" for the exact test recipe)
     align: int = 32  # rows of each expert group are padded to a multiple of this (32 = one MX block of tokens)
+    # keep the SwiGLU input h [M, 2F] for backward as MXFP8 along 2F (1x32, E4M3 + E8M0: about half
+    # of BF16's bytes) instead of BF16; SwiGLU's gradient is then taken at h's MX values (DeepSeek-V3
+    # caches this input in FP8 the same way). Applies where F % 32 == 0; needs an MXFP8 recipe.
+    swiglu_input_fp8: bool = False
 
     def __post_init__(self):
         if self.weight_block not in (1, 32):
@@ -26,6 +30,8 @@ class Recipe:
             raise ValueError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype!r}")
         if not isinstance(self.align, int) or self.align < 1:
             raise ValueError(f"align must be a positive number of rows, got {self.align!r}")
+        if self.swiglu_input_fp8 and not self.mxfp8:
+            raise ValueError("swiglu_input_fp8 keeps the SwiGLU input as MXFP8: it needs an MXFP8 recipe (mxfp8=True)")
         if self.mxfp8 and self.align % 32:
             raise ValueError(f"MXFP8 recipes pad expert groups to whole 32-token blocks: align must be a multiple of 32, got {self.align}")
 
@@ -38,6 +44,7 @@ RECIPES: dict[str, Recipe] = {
     "bf16": Recipe("bf16", align=16),  # torch._grouped_mm, the baseline
     "mxfp8": Recipe("mxfp8", mxfp8=True),  # 1x32 everywhere (OCP MX)
     "mxfp8_2d": Recipe("mxfp8_2d", mxfp8=True, weight_block=32),  # 32x32 weight tiles
+    "mxfp8_lowmem": Recipe("mxfp8_lowmem", mxfp8=True, swiglu_input_fp8=True),  # mxfp8, SwiGLU input kept in MXFP8
     "mxfp8_bf16_wgrad": Recipe("mxfp8_bf16_wgrad", mxfp8=True, wgrad_mxfp8=False),
 }
 

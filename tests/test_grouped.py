@@ -264,3 +264,32 @@ def test_session3_trial_findings():
         mxmoe.quantize(x, scale_rule="nearest")
     with pytest.raises(TypeError, match="floating-point input"):
         mxmoe.MoE(64, 64, 4, 2, recipe="bf16")(torch.ones(3, 64, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_input_fp8_keeps_mx_h_and_takes_the_gradient_there(dtype):
+    """Under ``swiglu_input_fp8`` the forward is exact SwiGLU and the gradient is torch's SwiGLU
+    gradient at h's MX values (h quantized along 2F); without it, at h itself (they differ)."""
+    from mxmoe import ops
+    from mxmoe.recipes import get_recipe
+
+    g = torch.Generator().manual_seed(8)
+    h = (torch.randn(40, 2 * 64, generator=g) * 3).to(dtype).requires_grad_()
+    da = torch.randn(40, 64, generator=g).to(dtype)
+    gate, up = h.split(64, -1)
+    a_ref = torch.nn.functional.silu(gate) * up
+    (dh_exact,) = torch.autograd.grad(a_ref, h, da)
+    hq = mxmoe.quantize(h.detach(), -1).dequantize(dtype).requires_grad_()
+    gq, uq = hq.split(64, -1)
+    (dh_mx,) = torch.autograd.grad(torch.nn.functional.silu(gq) * uq, hq, da)
+    recipe = get_recipe("mxfp8").with_(swiglu_input_fp8=True)
+    a, a_wgrad = ops.swiglu(h, recipe)
+    (dh,) = torch.autograd.grad(a, h, da)
+    assert a_wgrad is None and torch.equal(a, a_ref.detach())
+    assert torch.equal(dh, dh_mx) and not torch.equal(dh, dh_exact)
+    rel = ((dh.float() - dh_exact.float()).norm() / dh_exact.float().norm()).item()
+    assert 1e-4 < rel < 0.1, rel  # MXFP8's rounding of h, seen through SwiGLU's derivative
+    (dh_off,) = torch.autograd.grad(ops.swiglu(h, recipe.with_(swiglu_input_fp8=False))[0], h, da)
+    assert torch.equal(dh_off, dh_exact)
+    with pytest.raises(ValueError, match="needs an MXFP8 recipe"):
+        get_recipe("bf16").with_(swiglu_input_fp8=True)

@@ -14,6 +14,7 @@ from test_qdq_kernels import run_interpreted
 
 LAYER_SCRIPT = r"""
 import torch.nn.functional as F
+from mxmoe import formats
 from mxmoe.kernels import layer as L
 from mxmoe.moe import permute_plan
 from mxmoe.ops import _row_slots, _row_tokens
@@ -56,6 +57,10 @@ for M, F_ in [(45, 96), (8, 1056)]:
     g2, u2 = hh.split(F_, -1)
     (want,) = torch.autograd.grad(F.silu(g2) * u2, hh, da)
     assert bf16_ulps(dh, want) <= 1, bf16_ulps(dh, want)
+    if F_ % 32 == 0:  # h as MXFP8 along 2F: the gradient at its BF16 MX values, expanded in the kernel
+        hq = formats.quantize(h, -1, "rceil")
+        same(L.swiglu_backward(da, hq.data, hq.scale), L.swiglu_backward(da, hq.dequantize(torch.bfloat16)),
+             "swiglu_backward of MXFP8 h")
 for dt in (torch.bfloat16, torch.float16):
     v = (torch.randn(3, 4099, generator=gen) * 1e3).to(dt)
     same(L.to_float32(v), v.float(), f"to_float32 {dt}")
@@ -76,6 +81,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_layer_kernels_equal_torch(tokens, dim, experts, top_k):
     import torch.nn.functional as F
 
+    from mxmoe import ops
     from mxmoe.kernels import layer as L
     from mxmoe.moe import permute_plan
     from mxmoe.ops import _row_slots, _row_tokens
@@ -113,11 +119,14 @@ def test_gpu_layer_kernels_equal_torch(tokens, dim, experts, top_k):
     ulps = (dh[:, :dim].view(torch.int16).int() - dh_ref[:, :dim].view(torch.int16).int()).abs().max().item()
     assert ulps == 0, f"d_gate differs from torch's silu_backward by up to {ulps} BF16 ulps"
     assert torch.equal(L.to_float32(dh), dh.float())
+    # h kept as MXFP8 along 2F (swiglu_input_fp8): the kernel expands it itself, same bits
+    hq = ops.quantize(h, -1, "rceil")
+    assert torch.equal(L.swiglu_backward(da, hq.data, hq.scale), L.swiglu_backward(da, hq.dequantize(torch.bfloat16)))
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "mxfp8_lowmem"])
 def test_gpu_layer_with_and_without_layer_kernels(recipe, monkeypatch):
     """The MoE layer with the layer kernels equals the torch-op layer: expert weight gradients bit
     for bit (the combine's row gradients and SwiGLU are the same arithmetic); the output to one BF16

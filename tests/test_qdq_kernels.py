@@ -99,20 +99,34 @@ for M, f in ((96, 160), (64, 256)):
     gate, up = h.split(f, -1)
     a = F.silu(gate) * up
     for rule in ("rceil", "floor"):
-        a16, dt, st = Q.swiglu_qdq(h, rule)
         c = formats.quantize(a, 0, rule)
-        same(a16, expand(formats.quantize(a, -1, rule)), f"swiglu bf16 {rule}")
-        same(dt, c.data.mT, f"swiglu data_t {rule}")
-        same(st, c.scale.mT, f"swiglu scale_t {rule}")
+        for save_h in (False, True):
+            a16, dt, st, qh, sh = Q.swiglu_qdq(h, rule, save_h)
+            same(a16, expand(formats.quantize(a, -1, rule)), f"swiglu bf16 {rule}")
+            same(dt, c.data.mT, f"swiglu data_t {rule}")
+            same(st, c.scale.mT, f"swiglu scale_t {rule}")
+            if save_h:  # h along 2F from the same read: the reference quantizer's bytes
+                hq = formats.quantize(h, -1, rule)
+                same(qh, hq.data, f"swiglu h data {rule}")
+                same(sh, hq.scale, f"swiglu h scale {rule}")
+            else:
+                assert qh.numel() == sh.numel() == 0
     h = h.nan_to_num(0.0, 0.0, 0.0).requires_grad_()
     da = torch.randn(M, f, generator=gen).to(torch.bfloat16)
-    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil")
+    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", False)
     (dh,) = torch.autograd.grad(a16, h, da)
     gate, up = h.split(f, -1)
     (want,) = torch.autograd.grad(F.silu(gate) * up, h, da)
     same(dh, want, "swiglu backward")
+    # h kept as MXFP8: the gradient at h's MX values (torch's ops on the dequantized h)
+    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", True)
+    (dh,) = torch.autograd.grad(a16, h, da)
+    hq = formats.quantize(h.detach(), -1, "rceil").dequantize(torch.float32).to(torch.bfloat16).requires_grad_()
+    gq, uq = hq.split(f, -1)
+    (want,) = torch.autograd.grad(F.silu(gq) * uq, hq, da)
+    same(dh, want, "swiglu backward at h's MX values")
     # what the autograd function hands to ops.swiglu: columnwise storage that wraps into a's MXTensor
-    _, dt, st = ops._SwiGLUQDQ.apply(h, "rceil")
+    _, dt, st = ops._SwiGLUQDQ.apply(h, "rceil", False)
     c = formats.quantize((F.silu(gate) * up).detach(), 0, "rceil")
     a_t = Q.columnwise_mxtensor(dt, st, "rceil")
     same(a_t.data.contiguous(), c.data, "swiglu autograd a_t data")
@@ -231,7 +245,8 @@ def test_qdq_fake_shapes():
         a, at = ops.qdq_dual_bf16(torch.empty(64, 96, device="cuda", dtype=torch.bfloat16), "rceil")
         assert (a.shape, at.shape, at.dtype) == ((64, 96), (96, 64), torch.bfloat16)
         h = torch.empty(64, 192, device="cuda", dtype=torch.bfloat16)
-        assert [t.shape for t in ops.swiglu_qdq(h, "rceil")] == [(64, 96), (96, 64), (96, 2)]
+        assert [t.shape for t in ops.swiglu_qdq(h, "rceil", False)] == [(64, 96), (96, 64), (96, 2), (0,), (0,)]
+        assert [t.shape for t in ops.swiglu_qdq(h, "rceil", True)][3:] == [(64, 192), (64, 6)]
         src = torch.empty(96, device="cuda", dtype=torch.int32)
         xp, dt, st = ops.permute_qdq(torch.empty(40, 64, device="cuda", dtype=torch.bfloat16), src, "rceil")
         assert (xp.shape, xp.dtype, dt.shape, dt.dtype, st.shape, st.dtype) == (
@@ -389,9 +404,12 @@ def test_gpu_swiglu_qdq_equals_composition(shape):
     gate, up = h.split(shape[1] // 2, -1)
     a = F.silu(gate) * up
     for rule in ("rceil", "floor"):
-        got, want = Q.swiglu_qdq(h, rule), Q.qdq_dual(a, rule)
+        got, want = Q.swiglu_qdq(h, rule, True), Q.qdq_dual(a, rule)
         for x, y, what in zip(got, want, ("a bf16", "data_t", "scale_t")):
             _same(x, y, f"swiglu {what} {rule}")
+        hq_data, hq_scale = Q.quantize_rowwise(h, rule)  # h kept for backward as MXFP8 (swiglu_input_fp8)
+        _same(got[3], hq_data, f"swiglu h data {rule}")
+        _same(got[4], hq_scale, f"swiglu h scale {rule}")
 
 
 @pytest.mark.gpu

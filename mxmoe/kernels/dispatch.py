@@ -187,11 +187,12 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: str):
     return _ops().qdq_dual_bf16(x, scale_rule)
 
 
-def swiglu_qdq(h: torch.Tensor, scale_rule: str):
+def swiglu_qdq(h: torch.Tensor, scale_rule: str, save_h: bool = False):
     """``h [M, 2F]`` bf16 -> (BF16 MX values of ``a = silu(gate) * up`` along F, and a quantized
     along M as columnwise storage: data ``[F, M]`` e4m3, scales ``[F, M/32]`` e8m0; wrap it with
-    ``quantize.columnwise_mxtensor``)."""
-    return _ops().swiglu_qdq(h, scale_rule)
+    ``quantize.columnwise_mxtensor``; then, with ``save_h``, h quantized along 2F: data ``[M, 2F]``
+    e4m3, scales ``[M, 2F/32]`` e8m0 row-major, else two empty tensors)."""
+    return _ops().swiglu_qdq(h, scale_rule, save_h)
 
 
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):

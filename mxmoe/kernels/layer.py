@@ -9,7 +9,8 @@ validate shapes (these are reached through :mod:`mxmoe.ops`, which checks them o
 ``combine_backward``        (dy ``[T, D]``, w ``[T*k]``, yp ``[M, D]``, slot ``[M]`` int32) ->
                             (dyp ``[M, D]``, dw ``[T*k]`` fp32)
 ``swiglu``                  h ``[M, 2F]`` bf16 -> ``silu(h[:, :F]) * h[:, F:]`` ``[M, F]`` bf16
-``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) bf16 -> dh ``[M, 2F]`` bf16
+``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) bf16 -> dh ``[M, 2F]`` bf16; or h as MXFP8
+                            along 2F (data e4m3 + h_scale ``[M, 2F/32]`` e8m0), expanded in the kernel
 ``to_float32``              bf16/fp16/fp32 x (any shape) -> float32 copy (e.g. a weight gradient)
 ==========================  ====================================================================
 """
@@ -89,15 +90,21 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def swiglu_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """dh ``[M, 2F]`` bf16 of :func:`swiglu` from ``da [M, F]`` (torch autograd's BF16 arithmetic)."""
+def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """dh ``[M, 2F]`` bf16 of :func:`swiglu` from ``da [M, F]`` (torch autograd's BF16 arithmetic).
+    With ``h_scale``, h is MXFP8 along 2F (e4m3 data ``[M, 2F]``, e8m0 scales ``[M, 2F/32]``
+    row-major, ``F % 32 == 0``) and the gradient is taken at its BF16 MX values."""
     da, h = _rows_last_contiguous(da), _rows_last_contiguous(h)
     M, F = h.shape[0], h.shape[1] // 2
     dh = torch.empty(M, 2 * F, dtype=torch.bfloat16, device=h.device)
+    mx = h_scale is not None
+    if mx:
+        h, h_scale = h.view(torch.uint8), h_scale.contiguous().view(torch.uint8)
     if M and F:
-        _k().swiglu_backward_kernel[_swiglu_grid(M, F)](da, h, dh, M, F, da.stride(0), h.stride(0), dh.stride(0),
-                                                        BR=_BLOCK_ROWS, BF=_BLOCK_COLS, SOFT=_soft(),
-                                                        num_warps=_WARPS)
+        hs = h_scale if mx else h
+        _k().swiglu_backward_kernel[_swiglu_grid(M, F)](da, h, hs, dh, M, F, da.stride(0), h.stride(0), hs.stride(0),
+                                                        dh.stride(0), MX=mx, BR=_BLOCK_ROWS, BF=_BLOCK_COLS,
+                                                        SOFT=_soft(), num_warps=_WARPS)
     return dh
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mxmoe.kernels.quantize_triton import _silu_mul_bf16, _to_bf16, _to_f32
+from mxmoe.kernels.quantize_triton import _expand_e4m3, _silu_mul_bf16, _to_bf16, _to_f32
 
 
 @triton.jit
@@ -149,14 +149,34 @@ def swiglu_kernel(h_ptr, a_ptr, M, F, stride_h, stride_a, BR: tl.constexpr, BF: 
 
 
 @triton.jit
-def swiglu_backward_kernel(da_ptr, h_ptr, dh_ptr, M, F, stride_da, stride_h, stride_dh,
-                           BR: tl.constexpr, BF: tl.constexpr, SOFT: tl.constexpr):
+def _mx_half(q_ptr, s_ptr, r64, c0, n_blocks, mask, M, stride_s, BR: tl.constexpr, BF: tl.constexpr):
+    """BF16 MX values of h's E4M3 bytes at q_ptr [BR, BF] with their row-major E8M0 scales, whose
+    first column is c0 (n_blocks of this tile's 32-element blocks lie inside the half): one scale
+    load per block, broadcast over its 32 elements."""
+    NB: tl.constexpr = BF // 32
+    c = tl.arange(0, NB)[None, :]  # [1, NB]
+    byte = tl.load(s_ptr + r64 * stride_s + c0 + c, mask=(r64 < M) & (c < n_blocks), other=127)
+    q = tl.reshape(tl.load(q_ptr, mask=mask, other=0), (BR, NB, 32))
+    return tl.reshape(_expand_e4m3(q, byte.to(tl.int32)[:, :, None]), (BR, BF))
+
+
+@triton.jit
+def swiglu_backward_kernel(da_ptr, h_ptr, hs_ptr, dh_ptr, M, F, stride_da, stride_h, stride_hs, stride_dh,
+                           MX: tl.constexpr, BR: tl.constexpr, BF: tl.constexpr, SOFT: tl.constexpr):
     """dh [M, 2F] from da [M, F] and h [M, 2F] (all bf16), the gradient torch's autograd computes
-    for ``F.silu(gate) * up`` in BF16, op for op (_swiglu_grads_bf16)."""
+    for ``F.silu(gate) * up`` in BF16, op for op (_swiglu_grads_bf16). MX: h is E4M3 bytes with
+    E8M0 scales hs [M, 2F/32] (row-major, F % 32 == 0), expanded to its BF16 MX values first."""
     r64, f, mask, gp = _swiglu_rows(h_ptr, M, F, stride_h, BR, BF)
     da = tl.load(da_ptr + r64 * stride_da + f, mask=mask, other=0.0)
-    d_gate, d_up = _swiglu_grads_bf16(da, tl.load(gp, mask=mask, other=0.0), tl.load(gp + F, mask=mask, other=0.0),
-                                      SOFT)
+    if MX:
+        f0 = tl.program_id(1) * BF  # a multiple of 32, as F is
+        n_blocks = (F - f0) // 32
+        gate = _mx_half(gp, hs_ptr, r64, f0 // 32, n_blocks, mask, M, stride_hs, BR, BF)
+        up = _mx_half(gp + F, hs_ptr, r64, (F + f0) // 32, n_blocks, mask, M, stride_hs, BR, BF)
+    else:
+        gate = tl.load(gp, mask=mask, other=0.0)
+        up = tl.load(gp + F, mask=mask, other=0.0)
+    d_gate, d_up = _swiglu_grads_bf16(da, gate, up, SOFT)
     dp = dh_ptr + r64 * stride_dh + f
     tl.store(dp, d_gate, mask=mask)
     tl.store(dp + F, d_up, mask=mask)

@@ -90,14 +90,19 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 
 # Tile configs by kernel family ("row", "col", "colrow" = dual, "colrow32" = 32x32 tiles, "grouped";
 # a missing key uses the default of _config_2d): the best of the H200 sweeps
-# (`bench_quantize.py --sweep`, results/h200/quantize_sweep.json, 2026-11-30), each checked bit for
+# (`bench_quantize.py --sweep`, results/h200/quantize_sweep.json and quantize_sweep_s4.json, 2026-11-30), each checked bit for
 # bit against the reference on the GPU by tests/test_quantize_kernels.py::test_gpu_tuned_configs.
 _TUNED: dict[str, TileConfig] = {
     "row": TileConfig(32, 256, 4, False),  # 86-96% of copy on every shape (32x512/w8 fell to 61% on 16384x5120)
     "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%)
-    "colrow": TileConfig(64, 64, 2, True),
+    "colrow": TileConfig(64, 64, 2, True),  # (32x128/w2 timed faster, 53-69%, but faulted in test_gpu_tuned_configs)
     "colrow32": TileConfig(64, 64, 2, True),
     "grouped": TileConfig(32, 256, 4, False),
+    # fused SwiGLU + QDQ (results/h200/swiglu_qdq_configs.txt): 32x64/w2 2.57-2.64 TB/s vs 2.16-2.26 at the
+    # dual QDQ tile 64x64/w2, which spills (632 B/thread offline); with save_h 32x128/w4 2.06-2.08 TB/s
+    # (64x64/w2: 0.70-0.77, 3 KB of spills)
+    "swiglu": TileConfig(32, 64, 2, True),
+    "swiglu_save_h": TileConfig(32, 128, 4, True),
 }
 
 
@@ -398,6 +403,15 @@ def _config_qdq(col: bool) -> TileConfig:
     return TileConfig(64, 64, 2, True) if col else TileConfig(32, 512, 8, True)
 
 
+def _config_swiglu(save_h: bool) -> TileConfig:
+    """Launch config of mx_swiglu_qdq_kernel: ``_TUNED["swiglu"]``, with ``save_h`` (two more
+    quantized outputs) ``_TUNED["swiglu_save_h"]``, else the dual QDQ tile (offline sm_90: 64x64/w2 spills 3 KB
+    per thread with save_h, 632 B without)."""
+    if _interpreting():
+        return TileConfig(128, 256, 4, True)
+    return _TUNED.get("swiglu_save_h" if save_h else "swiglu") or _config_qdq(True)
+
+
 def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col_fp8: bool, tile32: bool,
                 name: str) -> tuple:
     """Run mx_qdq_kernel; outputs in the order bf16 rowwise, bf16 columnwise, (data_t, scale_t)."""
@@ -482,14 +496,17 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
     return _launch_qdq(x, scale_rule, True, True, False, False, "qdq_dual_bf16")
 
 
-def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
+def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil", save_h: bool = False):
     """SwiGLU of ``h [M, 2F]`` (gate ``h[:, :F]``, up ``h[:, F:]``) fused with the dual QDQ of its
     result ``a = F.silu(gate) * up`` (BF16 math as torch's), from one read of h; a is not written.
 
     Args:
         h: bfloat16 ``[M, 2F]``, CUDA, ``M % 32 == F % 32 == 0``; any strides.
+        save_h: also return h quantized along 2F (for the SwiGLU backward), from the same read.
     Returns:
-        ``(a_bf16 [M, F], data_t [F, M], scale_t [F, M/32])``: :func:`qdq_dual` of a.
+        ``(a_bf16 [M, F], data_t [F, M], scale_t [F, M/32], h_data, h_scale)``: :func:`qdq_dual`
+        of a, then with ``save_h`` h quantized along 2F (``h_data [M, 2F]`` e4m3, ``h_scale
+        [M, 2F/32]`` e8m0 row-major: :func:`quantize_rowwise` of h, bit for bit), else two empty tensors.
     Raises:
         TypeError: h not bfloat16. ValueError: bad shape, CPU tensor.
     """
@@ -503,14 +520,18 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
     a16 = torch.empty(M, F, dtype=torch.bfloat16, device=dev)
     qc = torch.empty(F, M, dtype=torch.uint8, device=dev)
     sc = torch.empty(F, M // BLOCK, dtype=torch.uint8, device=dev)
+    qh = torch.empty((M, 2 * F) if save_h else (0,), dtype=torch.uint8, device=dev)
+    sh = torch.empty((M, 2 * F // BLOCK) if save_h else (0,), dtype=torch.uint8, device=dev)
     if M and F:
-        BM, BK, num_warps, persistent = _config_qdq(True)
+        BM, BK, num_warps, persistent = _config_swiglu(save_h)
         total = triton_cdiv(M, BM) * triton_cdiv(F, BK)
-        args = (h, a16, qc, sc, M, F, h.stride(0), h.stride(1), _rule(scale_rule))
-        kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        args = (h, a16, qc, sc, qh if save_h else qc, sh if save_h else sc, M, F, h.stride(0), h.stride(1),
+                _rule(scale_rule))
+        kwargs = dict(SAVE_H=save_h, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
         kernel = _kernels().mx_swiglu_qdq_kernel
         _launch_tiles(kernel, args, kwargs, total, persistent, dev)
-    return a16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
+    return (a16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu),
+            qh.view(torch.float8_e4m3fn), sh.view(torch.float8_e8m0fnu))
 
 
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):

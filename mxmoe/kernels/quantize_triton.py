@@ -463,14 +463,34 @@ def _silu_mul_bf16(gate_raw, up_raw, SOFT: tl.constexpr):
     return _to_bf16(_to_f32(_to_bf16(s, SOFT)) * _to_f32(up_raw), SOFT)
 
 
+@triton.jit
+def _quantize_rows_into(x_raw, t, n_m, n_k, q_ptr, s_ptr, M, K, ldq, rceil,
+                        BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr):
+    """Quantize one loaded tile of a [M, K] grid along its rows (1x32 blocks) into columns of a
+    wider row-major destination: data q [M, ldq] E4M3 bytes, scales s [M, ldq/32] E8M0 bytes
+    (q_ptr / s_ptr already offset to the grid's first column; K % 32 == 0)."""
+    _, tm, tk = _tile_coords(t, n_m, n_k)
+    NB: tl.constexpr = BK // 32
+    m = (tm * BM + tl.arange(0, BM))[:, None]  # [BM, 1]
+    x = tl.reshape(_to_f32(x_raw), (BM, NB, 32))
+    byte = _e8m0_from_amax_bits(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), rceil)  # [BM, NB]
+    d = tl.reshape(_quantize_elems(x, byte[:, :, None], SOFT_CVT), (BM, BK))
+    k = tk * BK + tl.arange(0, BK)[None, :]
+    tl.store(q_ptr + m.to(tl.int64) * ldq + k, d, mask=(m < M) & (k < K))
+    c = tk * NB + tl.arange(0, NB)[None, :]
+    tl.store(s_ptr + m.to(tl.int64) * (ldq // 32) + c, byte.to(tl.uint8), mask=(m < M) & (c < K // 32))
+
+
 @triton.jit(do_not_specialize=["rceil"])
 def mx_swiglu_qdq_kernel(
-    h_ptr, br_ptr, qc_ptr, sc_ptr, M, F, stride_hm, stride_hk, rceil,
-    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+    h_ptr, br_ptr, qc_ptr, sc_ptr, qh_ptr, sh_ptr, M, F, stride_hm, stride_hk, rceil,
+    SAVE_H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
     """h [M, 2F] bf16 (gate = h[:, :F], up = h[:, F:]) -> a = silu(gate) * up as BF16 MX values
     along F, br [M, F], plus a's FP8 copy along M, qc [F, M] + sc [F, M/32] (mx_qdq_kernel's
-    ROW_BF16 + COL_FP8 outputs of a); a itself is never written. Persistent, one-tile prefetch."""
+    ROW_BF16 + COL_FP8 outputs of a); a itself is never written. SAVE_H: also h quantized along
+    2F, qh [M, 2F] E4M3 + sh [M, 2F/32] E8M0 (quantize_rowwise of h, bit for bit), from the same
+    read of h. Persistent, one-tile prefetch."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
@@ -486,6 +506,9 @@ def mx_swiglu_qdq_kernel(
         a = _silu_mul_bf16(gate, up, SOFT_CVT)
         _qdq_tile(a, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, F, rceil,
                   True, False, True, False, BM, BK, SOFT_CVT)
+        if SAVE_H:
+            _quantize_rows_into(gate, t, n_m, n_k, qh_ptr, sh_ptr, M, F, 2 * F, rceil, BM, BK, SOFT_CVT)
+            _quantize_rows_into(up, t, n_m, n_k, qh_ptr + F, sh_ptr + F // 32, M, F, 2 * F, rceil, BM, BK, SOFT_CVT)
         gate = gate_next
         up = up_next
         t += nprog

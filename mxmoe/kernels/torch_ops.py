@@ -15,13 +15,14 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``qdq_rowwise``             x ``[..., M, K]`` -> bf16 ``[..., M, K]``: MX values along K
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
 ``qdq_dual_bf16``           x -> (bf16 ``[..., M, K]``, bf16 ``[..., K, M]``): along K and along M
-``swiglu_qdq``              h ``[M, 2F]`` bf16 -> ``qdq_dual`` of ``silu(h[:, :F]) * h[:, F:]``
+``swiglu_qdq``              (h ``[M, 2F]`` bf16, rule, save_h) -> ``qdq_dual`` of ``silu(h[:, :F]) * h[:, F:]``,
+                            + h quantized along 2F (data, scale) if save_h, else two empty tensors
 ``permute_qdq``             (x ``[T, K]``, src ``[M]`` int) -> ``qdq_dual`` of ``x[src]`` (rows with src -1: zero)
 ``gather_rows``             (x ``[T, D]``, src ``[M]`` int, rows) -> ``x[src]`` ``[M, D]`` (src -1: zero row)
 ``gather_sum``              (src ``[M, D]``, idx ``[T*k]``, top_k, w ``[T*k]`` or None) -> ``[T, D]``
 ``combine_backward``        (dy ``[T, D]``, w ``[T*k]``, yp ``[M, D]``, slot ``[M]``, top_k) -> (dyp, dw)
 ``swiglu``                  h ``[M, 2F]`` bf16 -> ``silu(h[:, :F]) * h[:, F:]`` ``[M, F]``
-``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) -> dh ``[M, 2F]``
+``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]`` bf16 or e4m3, h_scale e8m0 or None) -> dh ``[M, 2F]``
 ``to_float32``              bf16/fp16/fp32 x -> float32 copy
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
@@ -102,10 +103,11 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch
 
 
 @torch.library.custom_op("mxmoe::swiglu_qdq", mutates_args=())
-def swiglu_qdq(h: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_qdq(h: torch.Tensor, scale_rule: str, save_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
-    return tuple(q.swiglu_qdq(h, scale_rule))
+    return tuple(q.swiglu_qdq(h, scale_rule, save_h))
 
 
 @torch.library.custom_op("mxmoe::permute_qdq", mutates_args=())
@@ -145,10 +147,10 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("mxmoe::swiglu_backward", mutates_args=())
-def swiglu_backward(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | None = None) -> torch.Tensor:
     from mxmoe.kernels import layer
 
-    return layer.swiglu_backward(da, h)
+    return layer.swiglu_backward(da, h, h_scale)
 
 
 @torch.library.custom_op("mxmoe::to_float32", mutates_args=())
@@ -187,9 +189,11 @@ dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dty
 qdq_rowwise.register_fake(lambda x, scale_rule: _bf16(x))
 qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))
 qdq_dual_bf16.register_fake(lambda x, scale_rule: (_bf16(x), _bf16(x, transposed=True)))
-swiglu_qdq.register_fake(lambda h, scale_rule: (
+swiglu_qdq.register_fake(lambda h, scale_rule, save_h: (
     h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16),
-    h.new_empty((h.shape[1] // 2, h.shape[0]), dtype=E4M3), h.new_empty((h.shape[1] // 2, h.shape[0] // 32), dtype=E8M0)))
+    h.new_empty((h.shape[1] // 2, h.shape[0]), dtype=E4M3), h.new_empty((h.shape[1] // 2, h.shape[0] // 32), dtype=E8M0),
+    h.new_empty(h.shape if save_h else (0,), dtype=E4M3),
+    h.new_empty((h.shape[0], h.shape[1] // 32) if save_h else (0,), dtype=E8M0)))
 permute_qdq.register_fake(lambda x, src, scale_rule: (
     x.new_empty((src.shape[0], x.shape[1]), dtype=torch.bfloat16),
     x.new_empty((x.shape[1], src.shape[0]), dtype=E4M3), x.new_empty((x.shape[1], src.shape[0] // 32), dtype=E8M0)))
@@ -198,7 +202,7 @@ gather_sum.register_fake(lambda src, idx, top_k, w: src.new_empty((idx.shape[0] 
 combine_backward.register_fake(lambda dy, w, yp, slot, top_k: (
     yp.new_empty(yp.shape), w.new_empty((w.numel(),), dtype=torch.float32)))
 swiglu.register_fake(lambda h: h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16))
-swiglu_backward.register_fake(lambda da, h: h.new_empty(h.shape, dtype=torch.bfloat16))
+swiglu_backward.register_fake(lambda da, h, h_scale=None: h.new_empty(h.shape, dtype=torch.bfloat16))
 to_float32.register_fake(lambda x: x.new_empty(x.shape, dtype=torch.float32))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
