@@ -33,7 +33,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mxmoe.formats import MXTensor  # noqa: E402
 from mxmoe.kernels.dequantize import dequantize_bf16  # noqa: E402
-from mxmoe.kernels.sm90_expand_gemm import mx_expand_grouped_mm  # noqa: E402
 from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
     sm90_mxfp8_k_grouped_gemm,
     sm90_mxfp8_m_grouped_gemm,
@@ -177,17 +176,6 @@ def run_case(shape, proj, balance, quick, gen):
                 row["bf16x_rel_err"], ms_x = check_and_time(fx, err, quick)
                 row["bf16x_tflops"] = tfl(ms_x)
                 row["bf16x_vs_bf16"] = row["bf16x_tflops"] / row["bf16_tflops"]
-                if wb == 1:  # the in-kernel expansion (sm90_expand_gemm.py), same operands
-                    try:
-                        fe = lambda: mx_expand_grouped_mm(a, sa, b, sb, offs)  # noqa: E731
-                        row["expand_rel_err"], ms_e = check_and_time(fe, err, quick)
-                        row["expand_tflops"] = tfl(ms_e)
-                        row["expand_vs_bf16"] = row["expand_tflops"] / row["bf16_tflops"]
-                        fe2 = lambda: mx_expand_grouped_mm(a, sa, b, sb, offs, bf16_scale=True)  # noqa: E731
-                        row["expand_bf16_scale_rel_err"], ms_e2 = check_and_time(fe2, err, quick)
-                        row["expand_bf16_scale_tflops"] = tfl(ms_e2)
-                    except Exception as exc:
-                        row["expand_error"] = f"{type(exc).__name__}: {exc}"[:400]
                 row["pass_ok"] = bool(row["rel_err"] <= 4e-3)
             except Exception as exc:  # keep going: one failing case must not hide the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:400]
@@ -275,10 +263,7 @@ def print_row(r):
     print(f"{r['shape']:<14}{r['proj']:<5}{r['pass']:<6}{r['weights']:<6}{r['balance']:<9}{r['tflops']:7.0f}"
           f"{r['bf16_tflops']:7.0f}{r['fp8_rowwise_tflops']:7.0f}{r['vs_bf16']:8.2f}{dense}{r['rel_err']:9.1e}"
           f"  bf16x {r.get('bf16x_tflops', float('nan')):6.0f} ({r.get('bf16x_vs_bf16', float('nan')):.2f}x,"
-          f" err {r.get('bf16x_rel_err', float('nan')):.1e})"
-          + (f"  expand {r['expand_tflops']:6.0f} ({r['expand_vs_bf16']:.2f}x, err {r['expand_rel_err']:.1e})"
-             if "expand_tflops" in r else f"  expand ERROR {r['expand_error']}" if "expand_error" in r else ""),
-          flush=True)
+          f" err {r.get('bf16x_rel_err', float('nan')):.1e})", flush=True)
 
 
 def main():

@@ -79,7 +79,7 @@ class MoE(nn.Module):
         ffn_dim: expert hidden dim F (multiple of 32 under MXFP8 recipes).
         num_experts: E.
         top_k: experts per token (``1 <= top_k <= num_experts``).
-        recipe: ``"mxfp8"`` (default), ``"mxfp8_2d"``, ``"mxfp8_bf16_wgrad"``, ``"bf16"``, ``"fp32"``
+        recipe: ``"mxfp8"`` (default), ``"mxfp8_2d"``, ``"mxfp8_lowmem"``, ``"mxfp8_bf16_wgrad"``, ``"bf16"``, ``"fp32"``
             or a :class:`~mxmoe.recipes.Recipe`.
         aux_loss_coef: coefficient of the load-balancing loss (Switch Transformer form,
             ``E * sum_e f_e * P_e``); the scaled value is in ``self.aux_loss`` after forward.
