@@ -291,6 +291,22 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
             raise ValueError("x_wgrad must be x's tensor quantized along tokens (axis 0); it is far from x")
 
 
+def _pack(t) -> tuple[tuple, tuple | None]:
+    """An MXTensor, tensor or None as (tensors for ``ctx.save_for_backward``, metadata)."""
+    if t is None:
+        return (), None
+    if _is_mx(t):
+        return (t.data, t.scale), (t.axis, t.scale_rule, t.block)
+    return (t,), ()
+
+
+def _unpack(tensors: tuple, meta: tuple | None):
+    """Inverse of :func:`_pack`."""
+    if meta is None:
+        return None
+    return MXTensor(*tensors, *meta) if meta else tensors[0]
+
+
 class _MXGroupedLinear(torch.autograd.Function):
     """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights
     (or, for 1x32 weights off the expansion route, the parameter itself, requantized along N).
@@ -329,16 +345,21 @@ class _MXGroupedLinear(torch.autograd.Function):
         if x_saved is None:
             x_saved = (quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule) if recipe.wgrad_mxfp8
                        else x.detach().to(torch.bfloat16))  # along tokens
-        ctx.recipe, ctx.x_saved, ctx.w_dgrad, ctx.expansion = recipe, x_saved, w_dgrad, exp is not None
+        ctx.recipe, ctx.expansion = recipe, exp is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
-        ctx.save_for_backward(offs, w if w_dgrad is None else None)
+        # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
+        xs, ctx.x_meta = _pack(x_saved)
+        ws, ctx.w_meta = _pack(w_dgrad)
+        ctx.n_x = len(xs)
+        ctx.save_for_backward(offs, w if w_dgrad is None else None, *xs, *ws)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         recipe, rule = ctx.recipe, ctx.recipe.scale_rule
-        offs, w = ctx.saved_tensors
+        offs, w, *rest = ctx.saved_tensors
+        x_saved, w_dgrad = _unpack(rest[:ctx.n_x], ctx.x_meta), _unpack(rest[ctx.n_x:], ctx.w_meta)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = None
         dyq = dyq_t = None  # dy along N (dgrad), along tokens as [N, M] (wgrad)
@@ -352,15 +373,15 @@ class _MXGroupedLinear(torch.autograd.Function):
         if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
             if dyq is None:
                 dyq = quantize(dy, axis=-1, scale_rule=rule)
-            wq_n = ctx.w_dgrad if ctx.w_dgrad is not None else quantize_weight(w, recipe, axis=-2)
+            wq_n = w_dgrad if w_dgrad is not None else quantize_weight(w, recipe, axis=-2)
             dx = _product(dyq, wq_n, offs, ctx.x_dtype)
         if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
             if recipe.wgrad_mxfp8:
                 if dyq_t is None:
                     dyq_t = quantize(_pad_rows(dy, BLOCK), axis=0, scale_rule=rule).mT  # [N, M] along tokens
-                dw = _product(dyq_t, ctx.x_saved, offs, torch.float32)
+                dw = _product(dyq_t, x_saved, offs, torch.float32)
             else:
-                dw = grouped_mm(dy.to(torch.bfloat16).t(), ctx.x_saved, offs, _validate=False)
+                dw = grouped_mm(dy.to(torch.bfloat16).t(), x_saved, offs, _validate=False)
             dw = dw.to(ctx.w_dtype)
         return dx, dw, None, None, None, None
 
@@ -381,7 +402,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             end on a multiple of 32 rows (wgrad's 32-token blocks must not mix experts). With
             ``validate``, rows past ``offs[-1]`` give zero output and zero gradient; without it they
             are the caller's business (mxmoe.MoE ends the last group at M).
-        recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_bf16_wgrad"``, ``"fp32"``)
+        recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_lowmem"`` (here as ``"mxfp8"``),
+            ``"mxfp8_bf16_wgrad"``, ``"fp32"``)
             or a :class:`~mxmoe.recipes.Recipe`.
         validate: check shapes and offsets (synchronizes with the GPU once).
         x_mx: optional, ``x`` already quantized along K (e.g. tokens received in MXFP8 from an
@@ -491,22 +513,25 @@ class _SwiGLUQDQ(torch.autograd.Function):
 
         # a's columnwise storage [F, M], [F, M/32]; then h along 2F, or two empty tensors
         a16, data_t, scale_t, qh, sh = dispatch.swiglu_qdq(h, scale_rule, save_h_fp8)
-        ctx.h_mx = MXTensor(qh, sh, 1, scale_rule) if save_h_fp8 else None
-        ctx.save_for_backward(None if save_h_fp8 else h)
+        # saved tensors (not ctx attributes): freed after backward, seen by saved_tensors_hooks
+        ctx.scale_rule = scale_rule
+        ctx.save_for_backward(*((qh, sh) if save_h_fp8 else (h, None)))
         ctx.mark_non_differentiable(data_t, scale_t)
         return a16, data_t, scale_t
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da, *_):
-        (h,) = ctx.saved_tensors
-        return _swiglu_backward(da, ctx.h_mx if h is None else h), None, None
+        h, h_scale = ctx.saved_tensors
+        h = h if h_scale is None else MXTensor(h, h_scale, 1, ctx.scale_rule)
+        return _swiglu_backward(da, h), None, None
 
 
 class _SwiGLUSavedMX(torch.autograd.Function):
     """``a = F.silu(gate) * up`` of ``h [M, 2F]`` that keeps h for backward as MXFP8 along 2F
     (``quantize(h, -1, scale_rule)``) and takes SwiGLU's gradient at h's MX values: the
-    ``swiglu_input_fp8`` recipes off the fused path (CPU, non-bf16 h), the same numbers as there."""
+    ``swiglu_input_fp8`` recipes off the fused path (CPU, non-bf16 h, CUDA routes without the fused
+    kernel), the same numbers as there."""
 
     @staticmethod
     def forward(ctx, h, scale_rule: str):
@@ -516,13 +541,16 @@ class _SwiGLUSavedMX(torch.autograd.Function):
         else:
             gate, up = h.split(h.shape[-1] // 2, dim=-1)
             a = torch.nn.functional.silu(gate) * up
-        ctx.h_mx = quantize(h.detach(), -1, scale_rule)
+        hq = quantize(h.detach(), -1, scale_rule)
+        ctx.axis, ctx.scale_rule = hq.axis, hq.scale_rule
+        ctx.save_for_backward(hq.data, hq.scale)  # (not ctx attributes: freed after backward)
         return a
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da):
-        return _swiglu_backward(da, ctx.h_mx), None
+        data, scale = ctx.saved_tensors
+        return _swiglu_backward(da, MXTensor(data, scale, ctx.axis, ctx.scale_rule)), None
 
 
 def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor") -> torch.Tensor:
@@ -742,14 +770,19 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
 
     Under a recipe with ``swiglu_input_fp8`` (and ``F % 32 == 0``) h is kept for backward as MXFP8
     along 2F, not BF16 (on the fused path written by the same kernel, from the same read of h), and
-    the SwiGLU gradient is taken at h's MX values: an approximation of the exact gradient, with
-    MXFP8's relative error (about 2^-4 per element at worst), like the quantized dgrad operands.
+    the SwiGLU gradient is taken at h's MX values: an approximation of the exact gradient. h is
+    rounded to E4M3 at its 32-element block's scale (relative error <= 2^-4 inside E4M3's normal
+    range, coarser for elements far below their block's maximum, which may flush to zero); the
+    gradient's per-element error is not bounded (silu's derivative crosses zero), and a NaN/Inf in
+    h makes its whole block (and the matching block of the other half) non-finite in dh. Only where
+    a backward can follow (h requires grad, grad mode on); otherwise nothing extra is quantized.
     """
     recipe = get_recipe(recipe)
     if h.dim() < 1 or h.shape[-1] % 2:
         raise ValueError(f"swiglu expects h [..., 2F] (gate and up halves), got shape {tuple(h.shape)}")
     f = h.shape[-1] // 2
-    save_fp8 = recipe.swiglu_input_fp8 and f % BLOCK == 0
+    # (only when a backward will need h: no extra quantization under no_grad / for inference)
+    save_fp8 = recipe.swiglu_input_fp8 and f % BLOCK == 0 and h.requires_grad and torch.is_grad_enabled()
     if _fused_qdq(h, h.shape[0], f, recipe, w_next):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 

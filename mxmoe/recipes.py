@@ -18,7 +18,7 @@ class Recipe:
     align: int = 32  # rows of each expert group are padded to a multiple of this (32 = one MX block of tokens)
     # keep the SwiGLU input h [M, 2F] for backward as MXFP8 along 2F (1x32, E4M3 + E8M0: about half
     # of BF16's bytes) instead of BF16; SwiGLU's gradient is then taken at h's MX values (DeepSeek-V3
-    # caches this input in FP8 the same way). Applies where F % 32 == 0; needs an MXFP8 recipe.
+    # caches this input in FP8 similarly, with 1x128 tiles). Applies where F % 32 == 0; needs an MXFP8 recipe.
     swiglu_input_fp8: bool = False
 
     def __post_init__(self):

@@ -293,3 +293,24 @@ def test_swiglu_input_fp8_keeps_mx_h_and_takes_the_gradient_there(dtype):
     assert torch.equal(dh_off, dh_exact)
     with pytest.raises(ValueError, match="needs an MXFP8 recipe"):
         get_recipe("bf16").with_(swiglu_input_fp8=True)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d", "mxfp8_bf16_wgrad"])
+def test_grouped_linear_saves_fp8_as_saved_tensors(recipe):
+    """What grouped_linear keeps for backward (FP8 x along tokens, FP8 weights along N) goes
+    through save_for_backward: saved_tensors_hooks see it (offloading works) and it is released
+    after backward (not held by the graph until the next step)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(96, 64, generator=g, requires_grad=True)
+    w = torch.randn(3, 32, 64, generator=g, requires_grad=True)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.dtype) or t, lambda t: t):
+        y = grouped_linear(x, w, offsets([32, 0, 64]), recipe)
+    # FP8 x along tokens under MX wgrad (else BF16 x); FP8 W along N for 32x32 tiles (off the
+    # expansion route 1x32 weights keep the parameter and requantize it in backward)
+    want = {"mxfp8": 1, "mxfp8_2d": 2, "mxfp8_bf16_wgrad": 0}[recipe]
+    assert seen.count(torch.float8_e4m3fn) == seen.count(torch.float8_e8m0fnu) == want, seen
+    assert (torch.bfloat16 in seen) == (recipe == "mxfp8_bf16_wgrad"), seen
+    y.square().sum().backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        y.square().sum().backward()

@@ -404,9 +404,11 @@ def test_gpu_swiglu_qdq_equals_composition(shape):
     gate, up = h.split(shape[1] // 2, -1)
     a = F.silu(gate) * up
     for rule in ("rceil", "floor"):
-        got, want = Q.swiglu_qdq(h, rule, True), Q.qdq_dual(a, rule)
-        for x, y, what in zip(got, want, ("a bf16", "data_t", "scale_t")):
-            _same(x, y, f"swiglu {what} {rule}")
+        want = Q.qdq_dual(a, rule)
+        for save_h in (False, True):  # two tile configs (_TUNED "swiglu", "swiglu_save_h")
+            got = Q.swiglu_qdq(h, rule, save_h)
+            for x, y, what in zip(got, want, ("a bf16", "data_t", "scale_t")):
+                _same(x, y, f"swiglu {what} {rule} save_h={save_h}")
         hq_data, hq_scale = Q.quantize_rowwise(h, rule)  # h kept for backward as MXFP8 (swiglu_input_fp8)
         _same(got[3], hq_data, f"swiglu h data {rule}")
         _same(got[4], hq_scale, f"swiglu h scale {rule}")

@@ -98,6 +98,9 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
     M, F = h.shape[0], h.shape[1] // 2
     dh = torch.empty(M, 2 * F, dtype=torch.bfloat16, device=h.device)
     mx = h_scale is not None
+    if mx and (F % 32 or tuple(h_scale.shape) != (M, 2 * F // 32)):
+        raise ValueError(f"swiglu_backward: MXFP8 h [M, 2F] needs F % 32 == 0 and h_scale [M, 2F/32]; "
+                         f"got h {tuple(h.shape)}, h_scale {tuple(h_scale.shape)}")
     if mx:
         h, h_scale = h.view(torch.uint8), h_scale.contiguous().view(torch.uint8)
     if M and F:

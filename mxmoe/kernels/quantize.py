@@ -91,7 +91,8 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 # Tile configs by kernel family ("row", "col", "colrow" = dual, "colrow32" = 32x32 tiles, "grouped";
 # a missing key uses the default of _config_2d): the best of the H200 sweeps
 # (`bench_quantize.py --sweep`, results/h200/quantize_sweep.json and quantize_sweep_s4.json, 2026-11-30), each checked bit for
-# bit against the reference on the GPU by tests/test_quantize_kernels.py::test_gpu_tuned_configs.
+# bit against the reference on the GPU by tests/test_quantize_kernels.py::test_gpu_tuned_configs (the
+# "swiglu" entries by tests/test_qdq_kernels.py::test_gpu_swiglu_qdq_equals_composition).
 _TUNED: dict[str, TileConfig] = {
     "row": TileConfig(32, 256, 4, False),  # 86-96% of copy on every shape (32x512/w8 fell to 61% on 16384x5120)
     "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%)
