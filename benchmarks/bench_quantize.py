@@ -140,9 +140,13 @@ def check(name: str, x: torch.Tensor, out) -> None:
             want = [(out[0][:2], c.data.mT), (out[1][:2], c.scale.mT)]
         else:
             want = [(out[0][:, :256], c.data.mT), (out[1][:, :8], c.scale.mT)]
-    elif name in ("dual", "weight_1x32_both"):
-        r = quantize(sub, axis=-1)
+    elif name in ("dual", "weight_1x32_both"):  # both outputs (a tile config can break either one)
+        r, c = quantize(sub, axis=-1), quantize(sub, axis=-2)
         want = [(out[0][:sub.shape[0]], r.data), (out[1][:sub.shape[0]], r.scale)]
+        if x.dim() == 3:
+            want += [(out[2][:2], c.data.mT), (out[3][:2], c.scale.mT)]
+        else:
+            want += [(out[2][:, :256], c.data.mT), (out[3][:, :8], c.scale.mT)]
     elif name == "weight_32x32_both":
         r = quantize(sub, axis=-1, block=(32, 32))
         want = [(out[0][:2], r.data), (out[1][:2], r.scale), (out[2][:2], r.data.mT)]
