@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (~5 min on an H200): the MoE layer (with and without the layer kernels, and the fused permutation), the
+# One device call (~6-7 min on an H200): the MoE layer (with and without the layer kernels, and the fused permutation), the
 # quantization kernels and the grouped GEMMs, each against its peers in the same run -> $OUT/*.json.
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/run_h200_bench.sh
 set -u
@@ -9,7 +9,7 @@ OUT=${OUT:-out/h200}; mkdir -p "$OUT"; LOG=$OUT/log_bench.txt
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
 step() { local t=$1; shift; echo "=== $* (limit ${t}s)" >>"$LOG"; local s=$SECONDS
          timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$? in $((SECONDS - s))s" >>"$LOG"; }
-step 90 python3 benchmarks/bench_moe_layer.py --iters 5 --out "$OUT/moe_layer.json"
+step 170 python3 benchmarks/bench_moe_layer.py --iters 5 --out "$OUT/moe_layer.json"  # ~110-150 s with mxfp8_lowmem
 MXMOE_LAYER_KERNELS=0 step 50 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8,bf16 \
     --balance balanced --out "$OUT/moe_layer_no_layer_kernels.json"
 MXMOE_FUSED_PERMUTE=0 step 50 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8,bf16 \
