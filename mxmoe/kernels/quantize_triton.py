@@ -151,6 +151,23 @@ def _load_tile(x_ptr, t, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk,
 
 
 @triton.jit
+def _tile_frame(x_raw, t, n_m, n_k, M, K, BM: tl.constexpr, BK: tl.constexpr):
+    """What the tile kernels derive from tile t of a loaded [BM, BK] tile: (batch b as int64, m-tile,
+    k-tile, rows m [BM, 1], columns k [1, BK], both as int64, the in-bounds mask, x as FP32
+    [BM/32, 32, BK/32, 32] blocks, |x|'s FP32 bits, the offset of batch b in [B, M, K] outputs)."""
+    b, tm, tk = _tile_coords(t, n_m, n_k)
+    b64 = b.to(tl.int64)
+    m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
+    k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    m64 = m.to(tl.int64)
+    k64 = k.to(tl.int64)
+    in_bounds = (m < M) & (k < K)
+    x = tl.reshape(_to_f32(x_raw), (BM // 32, 32, BK // 32, 32))
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return b64, tm, tk, m, k, m64, k64, in_bounds, x, bits, b64 * M * K
+
+
+@triton.jit
 def _quantize_tile(
     x_raw, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
@@ -158,18 +175,9 @@ def _quantize_tile(
     BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
     """Quantize and store one loaded tile (see mx_quantize_kernel)."""
-    b, tm, tk = _tile_coords(t, n_m, n_k)
-    b64 = b.to(tl.int64)
+    b64, tm, tk, m, k, m64, k64, in_bounds, x, bits, plane = _tile_frame(x_raw, t, n_m, n_k, M, K, BM, BK)
     MB: tl.constexpr = BM // 32
     NB: tl.constexpr = BK // 32
-    m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
-    k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
-    m64 = m.to(tl.int64)
-    k64 = k.to(tl.int64)
-    in_bounds = (m < M) & (k < K)
-    x = tl.reshape(_to_f32(x_raw), (MB, 32, NB, 32))
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    plane = b64 * M * K  # offset of batch b in the [B, M, K] / [B, K, M] data outputs
     mb = tl.arange(0, MB)
     ii = tl.arange(0, 32)
     nb = tl.arange(0, NB)
@@ -364,18 +372,9 @@ def _qdq_tile(
     BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
     """QDQ outputs of one loaded tile (see mx_qdq_kernel)."""
-    b, tm, tk = _tile_coords(t, n_m, n_k)
-    b64 = b.to(tl.int64)
+    b64, tm, tk, m, k, m64, k64, in_bounds, x, bits, plane = _tile_frame(x_raw, t, n_m, n_k, M, K, BM, BK)
     MB: tl.constexpr = BM // 32
     NB: tl.constexpr = BK // 32
-    m = tm * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
-    k = tk * BK + tl.arange(0, BK)[None, :]  # [1, BK]
-    m64 = m.to(tl.int64)
-    k64 = k.to(tl.int64)
-    in_bounds = (m < M) & (k < K)
-    x = tl.reshape(_to_f32(x_raw), (MB, 32, NB, 32))
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    plane = b64 * M * K
     if TILE32:  # one byte per 32x32 tile, spread over both block shapes
         tile = _e8m0_from_amax_bits(tl.max(tl.max(bits, axis=3), axis=1), rceil)  # [MB, NB]
         byte_r = tl.broadcast_to(tile[:, None, :], (MB, 32, NB))
