@@ -205,17 +205,10 @@ def fused_permute(x2, r):
     xp16, dt, st = ops._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule)
     return xp16, r.offs, Q.columnwise_mxtensor(dt, st, m.recipe.scale_rule), r
 
-def run():
-    xx = x.clone().requires_grad_()
-    y = m(xx)
-    y.float().square().sum().backward()
-    out = [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
-    m.zero_grad()
-    return out
-
-old = run()
+from test_qdq_kernels import _layer_step
+old = _layer_step(m, x)
 m.permute = fused_permute
-for a, b, what in zip(run(), old, ("y", "dx", "dw13", "dw2", "drouter")):
+for a, b, what in zip(_layer_step(m, x), old, ("y", "dx", "dw13", "dw2", "drouter")):
     same(a, b, f"MoE with the fused permute: {what}")
 print("ok", n)
 """
@@ -331,6 +324,16 @@ def _layer_run(x, w, offs, recipe, x_mx=None):
     return [t.detach() for t in (y, x.grad, w.grad)]
 
 
+def _layer_step(m, x):
+    """One fwd+bwd of MoE m on x: (y, dx, dw13, dw2, drouter), gradients cleared after."""
+    xx = x.detach().requires_grad_()
+    y = m(xx)
+    y.float().square().sum().backward()
+    out = [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
+    m.zero_grad()
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d", "mxfp8_bf16_wgrad"])
 @pytest.mark.parametrize("rows", [448, 430])  # 430: rows past the last group (a row count not a multiple of 32)
@@ -429,17 +432,9 @@ def test_gpu_moe_qdq_route_equals_old_composition(recipe, monkeypatch):
     m = mxmoe.MoE(256, 512, 8, 2, recipe=recipe).cuda()
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
 
-    def run():
-        xx = x.detach().requires_grad_()
-        y = m(xx)
-        y.float().square().sum().backward()
-        out = [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
-        m.zero_grad()
-        return out
-
-    new = run()
+    new = _layer_step(m, x)
     monkeypatch.setattr(ops, "_expansion", lambda *a: None)
-    old = run()
+    old = _layer_step(m, x)
     for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
         _same_bf16(a, b, f"{recipe} {what}")
 
@@ -504,18 +499,10 @@ def test_gpu_moe_fused_permute_equals_unfused(recipe, top_k, monkeypatch):
     m = mxmoe.MoE(256, 512, 16, top_k, recipe=recipe).cuda()
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
 
-    def run():
-        xx = x.detach().requires_grad_()
-        y = m(xx)
-        y.float().square().sum().backward()
-        out = [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
-        m.zero_grad()
-        return out
-
-    new = run()
+    new = _layer_step(m, x)
     assert len(calls) == 1
     monkeypatch.setenv("MXMOE_FUSED_PERMUTE", "0")
-    old = run()
+    old = _layer_step(m, x)
     assert len(calls) == 1
     for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
         _same_bf16(a, b, f"{recipe} top_k={top_k} {what}")
