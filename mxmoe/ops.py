@@ -513,44 +513,15 @@ class _SwiGLUQDQ(torch.autograd.Function):
 
         # a's columnwise storage [F, M], [F, M/32]; then h along 2F, or two empty tensors
         a16, data_t, scale_t, qh, sh = dispatch.swiglu_qdq(h, scale_rule, save_h_fp8)
-        # saved tensors (not ctx attributes): freed after backward, seen by saved_tensors_hooks
-        ctx.scale_rule = scale_rule
-        ctx.save_for_backward(*((qh, sh) if save_h_fp8 else (h, None)))
+        hs, ctx.h_meta = _pack(MXTensor(qh, sh, 1, scale_rule) if save_h_fp8 else h)
+        ctx.save_for_backward(*hs)
         ctx.mark_non_differentiable(data_t, scale_t)
         return a16, data_t, scale_t
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da, *_):
-        h, h_scale = ctx.saved_tensors
-        h = h if h_scale is None else MXTensor(h, h_scale, 1, ctx.scale_rule)
-        return _swiglu_backward(da, h), None, None
-
-
-class _SwiGLUSavedMX(torch.autograd.Function):
-    """``a = F.silu(gate) * up`` of ``h [M, 2F]`` that keeps h for backward as MXFP8 along 2F
-    (``quantize(h, -1, scale_rule)``) and takes SwiGLU's gradient at h's MX values: the
-    ``swiglu_input_fp8`` recipes off the fused path (CPU, non-bf16 h, CUDA routes without the fused
-    kernel), the same numbers as there."""
-
-    @staticmethod
-    def forward(ctx, h, scale_rule: str):
-        ops = _layer_ops(h)
-        if ops is not None and h.dim() == 2 and h.dtype == torch.bfloat16:
-            a = ops.swiglu(h)
-        else:
-            gate, up = h.split(h.shape[-1] // 2, dim=-1)
-            a = torch.nn.functional.silu(gate) * up
-        hq = quantize(h.detach(), -1, scale_rule)
-        ctx.axis, ctx.scale_rule = hq.axis, hq.scale_rule
-        ctx.save_for_backward(hq.data, hq.scale)  # (not ctx attributes: freed after backward)
-        return a
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, da):
-        data, scale = ctx.saved_tensors
-        return _swiglu_backward(da, MXTensor(data, scale, ctx.axis, ctx.scale_rule)), None
+        return _swiglu_backward(da, _unpack(ctx.saved_tensors, ctx.h_meta)), None, None
 
 
 def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor") -> torch.Tensor:
@@ -572,19 +543,27 @@ def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor") -> torch.Te
 
 
 class _SwiGLU(torch.autograd.Function):
-    """``a = F.silu(gate) * up`` of bf16 ``h [M, 2F]`` on CUDA: one kernel each way (h saved, silu
-    recomputed in backward); the same bits as the torch ops."""
+    """``a = F.silu(gate) * up`` of ``h [..., 2F]``: one kernel each way for 2D bf16 h on CUDA, the
+    torch ops elsewhere (the same bits); silu recomputed in backward. h is kept as is, or with
+    ``save_rule`` as MXFP8 along 2F (``quantize(h, -1, save_rule)``), SwiGLU's gradient then taken
+    at h's MX values (the ``swiglu_input_fp8`` recipes off the fused path: the same numbers)."""
 
     @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        return _layer_ops(h).swiglu(h)
+    def forward(ctx, h, save_rule: str | None):
+        ops = _layer_ops(h)
+        if ops is not None and h.dim() == 2 and h.dtype == torch.bfloat16:
+            a = ops.swiglu(h)
+        else:
+            gate, up = h.split(h.shape[-1] // 2, dim=-1)
+            a = torch.nn.functional.silu(gate) * up
+        hs, ctx.h_meta = _pack(h if save_rule is None else quantize(h.detach(), -1, save_rule))
+        ctx.save_for_backward(*hs)  # (saved tensors, not ctx attributes: freed after backward)
+        return a
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da):
-        (h,) = ctx.saved_tensors
-        return _swiglu_backward(da, h)
+        return _swiglu_backward(da, _unpack(ctx.saved_tensors, ctx.h_meta)), None
 
 
 class _PermuteQDQ(torch.autograd.Function):
@@ -788,9 +767,7 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
 
         a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule, save_fp8)
         return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
-    if save_fp8:
-        return _SwiGLUSavedMX.apply(h, recipe.scale_rule), None
-    if h.dim() == 2 and h.dtype == torch.bfloat16 and _layer_ops(h) is not None:
-        return _SwiGLU.apply(h), None
+    if save_fp8 or (h.dim() == 2 and h.dtype == torch.bfloat16 and _layer_ops(h) is not None):
+        return _SwiGLU.apply(h, recipe.scale_rule if save_fp8 else None), None
     gate, up = h.split(f, dim=-1)
     return torch.nn.functional.silu(gate) * up, None
