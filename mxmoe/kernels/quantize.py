@@ -184,21 +184,18 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev)
         sc = _alloc_scales(B, K // BLOCK if compact else K, M // BLOCK, layout, dev)
     if x3.numel() > 0 and B > 0:
-        cfg = _config_2d(row, col, tile32)
-        BM = cfg.BM
+        BM, BK, num_warps, persistent = _config_2d(row, col, tile32)
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, cfg.BK) * B
+        total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
         dummy = qr if qr is not None else qc
         args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
                 M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
                 sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
-        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BK=cfg.BK,
-                      SOFT_CVT=_interpreting())
-        kernel = _kernels().mx_quantize_kernel
-        kwargs.update(BM=BM, num_warps=cfg.num_warps)
-        _launch_tiles(kernel, args, kwargs, total, cfg.persistent, x.device)
+        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BM=BM, BK=BK,
+                      SOFT_CVT=_interpreting(), num_warps=num_warps)
+        _launch_tiles(_kernels().mx_quantize_kernel, args, kwargs, total, persistent, x.device)
     out = []
     if row:
         out += [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)]
@@ -395,10 +392,10 @@ def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule:
 # ----------------------------------------------------------------------------------------------
 
 def _config_qdq(col: bool) -> TileConfig:
-    """Launch config of the QDQ kernels (mx_quantize_kernel's structure, BF16
-    outputs). Kept apart from ``_TUNED``: these exact values passed the QDQ GPU tests (2026-11-30);
-    with a columnwise output they are the quantize kernel's "colrow" tile, rowwise the quantize
-    kernel's earlier "row" tile (32x512/w8). Not swept for QDQ itself yet."""
+    """Launch config of the QDQ kernels (mx_quantize_kernel's structure, BF16 outputs): with a
+    columnwise output the quantize kernel's "colrow" tile, rowwise its earlier "row" tile
+    (32x512/w8). The columnwise one is the fastest of an H200 sweep of the QDQ kernels
+    (results/h200/qdq_configs_s4.json, 2026-11-30)."""
     if _interpreting():
         return TileConfig(128, 256, 4, True)
     return TileConfig(64, 64, 2, True) if col else TileConfig(32, 512, 8, True)
@@ -406,11 +403,10 @@ def _config_qdq(col: bool) -> TileConfig:
 
 def _config_swiglu(save_h: bool) -> TileConfig:
     """Launch config of mx_swiglu_qdq_kernel: ``_TUNED["swiglu"]``, with ``save_h`` (two more
-    quantized outputs) ``_TUNED["swiglu_save_h"]``, else the dual QDQ tile (offline sm_90: 64x64/w2 spills 3 KB
-    per thread with save_h, 632 B without)."""
+    quantized outputs) ``_TUNED["swiglu_save_h"]``."""
     if _interpreting():
         return TileConfig(128, 256, 4, True)
-    return _TUNED.get("swiglu_save_h" if save_h else "swiglu") or _config_qdq(True)
+    return _TUNED["swiglu_save_h" if save_h else "swiglu"]
 
 
 def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col_fp8: bool, tile32: bool,
