@@ -34,14 +34,18 @@ def _rows_last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _grid(rows: int, cols: int):
+    """Programs of a [rows, cols] launch in [_BLOCK_ROWS, _BLOCK_COLS] tiles."""
+    return (_cdiv(rows, _BLOCK_ROWS), _cdiv(cols, _BLOCK_COLS))
+
+
 def gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
     """``out[r] = x[src[r]]`` for ``r < rows`` (zero rows where ``src[r]`` is -1 or out of range)."""
     x = _rows_last_contiguous(x)
     T, D = x.shape
     out = torch.empty(rows, D, dtype=x.dtype, device=x.device)
     if rows and D:
-        grid = (_cdiv(rows, _BLOCK_ROWS), _cdiv(D, _BLOCK_COLS))
-        _k().gather_rows_kernel[grid](x, src, out, rows, D, T, x.stride(0), out.stride(0),
+        _k().gather_rows_kernel[_grid(rows, D)](x, src, out, rows, D, T, x.stride(0), out.stride(0),
                                       BR=_BLOCK_ROWS, BD=_BLOCK_COLS, num_warps=_WARPS)
     return out
 
@@ -52,8 +56,7 @@ def gather_sum(src: torch.Tensor, idx: torch.Tensor, top_k: int, w: torch.Tensor
     T, D = idx.numel() // top_k, src.shape[1]
     out = torch.empty(T, D, dtype=src.dtype, device=src.device)
     if T and D:
-        grid = (_cdiv(T, _BLOCK_ROWS), _cdiv(D, _BLOCK_COLS))
-        _k().gather_sum_kernel[grid](src, idx, w if w is not None else src, out, T, D, src.shape[0],
+        _k().gather_sum_kernel[_grid(T, D)](src, idx, w if w is not None else src, out, T, D, src.shape[0],
                                      src.stride(0), out.stride(0),
                                      TOP_K=top_k, HAS_W=w is not None, BT=_BLOCK_ROWS, BD=_BLOCK_COLS,
                                      SOFT=_soft(), num_warps=_WARPS)
@@ -75,17 +78,13 @@ def combine_backward(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: 
     return dyp, dw
 
 
-def _swiglu_grid(M: int, F: int):
-    return (_cdiv(M, _BLOCK_ROWS), _cdiv(F, _BLOCK_COLS))
-
-
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """``silu(h[:, :F]) * h[:, F:]`` of bf16 ``h [M, 2F]`` (torch's BF16 arithmetic, bit for bit)."""
     h = _rows_last_contiguous(h)
     M, F = h.shape[0], h.shape[1] // 2
     a = torch.empty(M, F, dtype=torch.bfloat16, device=h.device)
     if M and F:
-        _k().swiglu_kernel[_swiglu_grid(M, F)](h, a, M, F, h.stride(0), a.stride(0), BR=_BLOCK_ROWS,
+        _k().swiglu_kernel[_grid(M, F)](h, a, M, F, h.stride(0), a.stride(0), BR=_BLOCK_ROWS,
                                                BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
     return a
 
@@ -97,17 +96,16 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
     da, h = _rows_last_contiguous(da), _rows_last_contiguous(h)
     M, F = h.shape[0], h.shape[1] // 2
     dh = torch.empty(M, 2 * F, dtype=torch.bfloat16, device=h.device)
-    mx = h_scale is not None
-    if mx and (F % 32 or tuple(h_scale.shape) != (M, 2 * F // 32)):
-        raise ValueError(f"swiglu_backward: MXFP8 h [M, 2F] needs F % 32 == 0 and h_scale [M, 2F/32]; "
-                         f"got h {tuple(h.shape)}, h_scale {tuple(h_scale.shape)}")
-    if mx:
-        h, h_scale = h.view(torch.uint8), h_scale.contiguous().view(torch.uint8)
+    hs = h  # (no scales: the kernel does not read this argument)
+    if h_scale is not None:
+        if F % 32 or tuple(h_scale.shape) != (M, 2 * F // 32):
+            raise ValueError(f"swiglu_backward: MXFP8 h [M, 2F] needs F % 32 == 0 and h_scale [M, 2F/32]; "
+                             f"got h {tuple(h.shape)}, h_scale {tuple(h_scale.shape)}")
+        h, hs = h.view(torch.uint8), h_scale.contiguous().view(torch.uint8)
     if M and F:
-        hs = h_scale if mx else h
-        _k().swiglu_backward_kernel[_swiglu_grid(M, F)](da, h, hs, dh, M, F, da.stride(0), h.stride(0), hs.stride(0),
-                                                        dh.stride(0), MX=mx, BR=_BLOCK_ROWS, BF=_BLOCK_COLS,
-                                                        SOFT=_soft(), num_warps=_WARPS)
+        _k().swiglu_backward_kernel[_grid(M, F)](da, h, hs, dh, M, F, da.stride(0), h.stride(0), hs.stride(0),
+                                                 dh.stride(0), MX=h_scale is not None, BR=_BLOCK_ROWS,
+                                                 BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
     return dh
 
 
