@@ -85,7 +85,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     a = torch.empty(M, F, dtype=torch.bfloat16, device=h.device)
     if M and F:
         _k().swiglu_kernel[_grid(M, F)](h, a, M, F, h.stride(0), a.stride(0), BR=_BLOCK_ROWS,
-                                               BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
+                                        BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
     return a
 
 
