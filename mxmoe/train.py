@@ -56,6 +56,7 @@ class TrainConfig:
     device: str = ""  # "cuda" or "cpu"; empty = cuda if available, else cpu
     recipes: str = "bf16,mxfp8"  # comma-separated MoE recipes, trained one after the other
     seed: int = 0  # one seed -> one init and one batch order, shared by every recipe
+    compile: str = ""  # torch.compile backend for the model ("inductor" on CUDA cuts launches and host time); empty = eager
     # data
     val_every_file: int = 20  # every N-th stdlib file (sorted) goes to the validation split
     seq_len: int = 128  # tokens (bytes) per training window = context length
@@ -97,6 +98,8 @@ class TrainConfig:
             raise ValueError("recipes is empty; give e.g. --recipes bf16,mxfp8")
         for name in names:
             get_recipe(name)  # unknown names fail here, before any training
+        if self.compile and self.compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"compile backend {self.compile!r} is not one of torch's: {torch._dynamo.list_backends()}")
         if self.device and self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} asked for, but torch sees no CUDA GPU here")
 
@@ -332,6 +335,9 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         model = parallel.convert_to_expert_parallel(model, ep.group)  # this rank's experts of every MoE
         parallel.sync_replicated_parameters(model, ep.group)
     model.to(device).train()
+    if cfg.compile and ep.group is not None:
+        raise ValueError("compile is not supported with expert parallelism (torchrun): run eager there")
+    step_fn = torch.compile(model, backend=cfg.compile) if cfg.compile else model  # same parameters
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -346,7 +352,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     for step in range(cfg.steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.steps:
             m["val_step"].append(step)
-            m["val_loss"].append(evaluate(model, val_data, cfg, device, ep))
+            m["val_loss"].append(evaluate(step_fn, val_data, cfg, device, ep))
             postfix["val"] = f"{m['val_loss'][-1]:.3f}"
             bar.set_postfix(postfix, refresh=False)
         if step == cfg.steps:
@@ -356,7 +362,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
             group["lr"] = lr_at(step, cfg)
         x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
         with _autocast(device):
-            ce, aux = model(x, y)
+            ce, aux = step_fn(x, y)
         (ce + aux).backward()
         clip_gradients(model, params, cfg.grad_clip, ep)
         opt.step()
