@@ -13,6 +13,10 @@ dual, weights (1x32 both orientations = dual of [E, N, K]; 32x32 both orientatio
 rowwise with blocked per-group scales (8 and 128 balanced groups); peers: the pure-torch
 reference ``mxmoe.quantize`` on CUDA and torchao's MXFP8 cast if it imports.
 ``--sweep`` also times a few tile configurations per kernel (rows tagged ``sweep``).
+``--ceiling`` times the data movement of the transposing kernels without the quantization: a Triton
+kernel that stores each BF16 element's high byte transposed (``ceiling_columnwise``), or transposed
+and in place (``ceiling_dual``), best of a few tiles, and torch's transposing cast to E4M3
+(``torch_transpose_cast``): what a kernel of this tile design can reach at best.
 """
 
 from __future__ import annotations
@@ -224,11 +228,66 @@ def _default_cfg(key: str):
     return Q._config_2d(row="row" in key, col="col" in key, tile32=key.endswith("32"))
 
 
+CEILING_TILES = [(64, 64, 2), (64, 128, 4), (128, 64, 4), (128, 128, 4), (32, 128, 2), (128, 128, 8)]
+
+
+def _ceiling_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_t_kernel(x_ptr, yt_ptr, y_ptr, M, K, BM: tl.constexpr, BK: tl.constexpr, ROW: tl.constexpr):
+        """x [B, M, K] BF16 -> yt [B, K, M] (and y [B, M, K] if ROW) bytes: each element's high byte."""
+        n_m = tl.cdiv(M, BM)
+        tm = tl.program_id(0) % n_m
+        tk = tl.program_id(0) // n_m
+        m = tm * BM + tl.arange(0, BM)[:, None]
+        k = tk * BK + tl.arange(0, BK)[None, :]
+        mask = (m < M) & (k < K)
+        base = tl.program_id(1).to(tl.int64) * M * K
+        x = tl.load(x_ptr + base + m.to(tl.int64) * K + k, mask=mask)
+        q = (x.to(tl.int16, bitcast=True) >> 8).to(tl.uint8)
+        tl.store(yt_ptr + base + k.to(tl.int64) * M + m, q, mask=mask)
+        if ROW:
+            tl.store(y_ptr + base + m.to(tl.int64) * K + k, q, mask=mask)
+
+    return cast_t_kernel
+
+
+def ceiling_cases(x: torch.Tensor):
+    """(kernel, config, fn, bytes moved) of the data-movement skeletons for one BF16 input."""
+    x3 = x if x.dim() == 3 else x[None]
+    B, M, K = x3.shape
+    yt = torch.empty(B, K, M, dtype=torch.uint8, device=x.device)
+    y = torch.empty(B, M, K, dtype=torch.uint8, device=x.device)
+    kern = _ceiling_kernel()
+    out = []
+    for row in (False, True):
+        for BM, BK, w in CEILING_TILES:
+            grid = (-(-M // BM) * -(-K // BK), B)
+            fn = (lambda BM=BM, BK=BK, w=w, row=row, grid=grid:
+                  kern[grid](x3, yt, y, M, K, BM=BM, BK=BK, ROW=row, num_warps=w))
+            out.append(("ceiling_dual" if row else "ceiling_columnwise", f"{BM}x{BK}/w{w}", fn,
+                        x.numel() * (4 if row else 3)))
+    yt8 = yt.view(torch.float8_e4m3fn)
+    out.append(("torch_transpose_cast", "copy_", lambda: yt8.copy_(x3.mT), x.numel() * 3))
+    return out, (x3, yt, y)
+
+
+def check_ceiling(x3, yt, y, row: bool) -> None:
+    """The skeleton's bytes are the high bytes of x, transposed (and in place)."""
+    hi = (x3.view(torch.int16) >> 8).to(torch.uint8)
+    if not torch.equal(yt, hi.mT) or (row and not torch.equal(y, hi)):
+        raise AssertionError("ceiling kernel: wrong bytes")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/h200/quantize.json")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-torch reference")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="also time the transposing data movement without quantization (see above)")
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="first compile all kernels in N parallel processes (fresh machines)")
     ap.add_argument("--precompile-only", action="store_true", help="compile, then exit")
@@ -318,6 +377,15 @@ def main():
             cfg = Q._TUNED.get(key) or _default_cfg(key)
             record(name, shape, total, bench_ms(fn), config="auto " + cfg_name(cfg), key=key)
         write_json()  # after every shape, so a run cut short keeps what it measured
+        if args.ceiling:
+            cc, bufs = ceiling_cases(x)
+            for name, cfg, fn, total in cc:
+                fn()
+                sync()
+                if name != "torch_transpose_cast":
+                    check_ceiling(*bufs, row=name == "ceiling_dual")
+                record(name, shape, total, bench_ms(fn), config="ceiling " + cfg)
+            del cc, bufs
         # peers
         if not args.no_reference:
             ref_fn = (lambda: quantize(x, axis=-1))
@@ -352,6 +420,15 @@ def main():
     print(f"{'kernel':24s} {'shape':>16s} {'TB/s':>7s} {'copy':>7s} {'% copy':>7s}")
     for r in rows:
         if r["config"].startswith("auto"):
+            print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%"
+                  f"  {r['config']}")
+    ceil = {}
+    for r in rows:
+        if r["config"].startswith("ceiling") and r["ratio"] > ceil.get((r["kernel"], r["shape"]), {"ratio": -1})["ratio"]:
+            ceil[(r["kernel"], r["shape"])] = r
+    if ceil:
+        print("\ndata-movement ceilings (best tile):")
+        for r in ceil.values():
             print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%"
                   f"  {r['config']}")
     if best:
