@@ -12,7 +12,9 @@ Shapes (BF16): activations 32768x7168, 131072x2048, 16384x5120; weights 8x28672x
 dual, weights (1x32 both orientations = dual of [E, N, K]; 32x32 both orientations), grouped
 rowwise with blocked per-group scales (8 and 128 balanced groups); peers: the pure-torch
 reference ``mxmoe.quantize`` on CUDA and torchao's MXFP8 cast if it imports.
-``--sweep`` also times a few tile configurations per kernel (rows tagged ``sweep``).
+On sm_90+ columnwise and dual run the Gluon kernel; the ``*_triton`` rows time the Triton kernel on
+the same input (``MXMOE_QUANT_GLUON=0``). ``--sweep`` also times a few tile configurations per Triton
+kernel (rows tagged ``sweep``).
 ``--ceiling`` times the data movement of the transposing kernels without the quantization: a Triton
 kernel that stores each BF16 element's high byte transposed (``ceiling_columnwise``), or transposed
 and in place (``ceiling_dual``), best of a few tiles, and torch's transposing cast to E4M3
@@ -100,6 +102,23 @@ def balanced_offs(M: int, E: int) -> torch.Tensor:
     return (torch.arange(1, E + 1, device=DEV, dtype=torch.int64) * M // E).to(torch.int32)
 
 
+def _triton_only(fn, x):
+    """fn(x) with the Gluon columnwise/dual kernel switched off (the Triton kernel, for comparison)."""
+    os.environ["MXMOE_QUANT_GLUON"] = "0"
+    try:
+        return fn(x)
+    finally:
+        del os.environ["MXMOE_QUANT_GLUON"]
+
+
+def kernel_config(name: str, key, x: torch.Tensor) -> str:
+    """What a case runs: the Gluon columnwise/dual kernel's tile, or the Triton kernel's TileConfig."""
+    if key in ("col", "colrow") and not name.endswith("_triton") and Q._use_gluon(x if x.dim() == 3 else x[None]):
+        g = Q._GLUON_COL
+        return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
+    return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
+
+
 def cases(x: torch.Tensor, is_weight: bool):
     """(kernel name, _TUNED key or None, fn) for one input."""
     out = []
@@ -109,7 +128,9 @@ def cases(x: torch.Tensor, is_weight: bool):
             ("rowwise_blocked", "row", lambda: Q.quantize_rowwise(x, scale_layout="blocked")),
             ("rowwise_sm90", "row", lambda: Q.quantize_rowwise(x, scale_layout="sm90")),
             ("columnwise", "col", lambda: Q.quantize_columnwise(x)),
+            ("columnwise_triton", "col", lambda: _triton_only(Q.quantize_columnwise, x)),
             ("dual", "colrow", lambda: Q.quantize_dual(x)),
+            ("dual_triton", "colrow", lambda: _triton_only(Q.quantize_dual, x)),
         ]
         M, K = x.shape
         for E in (8, 128):
@@ -121,7 +142,9 @@ def cases(x: torch.Tensor, is_weight: bool):
         out += [
             ("weight_rowwise_blocked", "row", lambda: Q.quantize_rowwise(x, scale_layout="blocked")),
             ("weight_columnwise", "col", lambda: Q.quantize_columnwise(x)),
+            ("weight_columnwise_triton", "col", lambda: _triton_only(Q.quantize_columnwise, x)),
             ("weight_1x32_both", "colrow", lambda: Q.quantize_dual(x)),
+            ("weight_1x32_both_triton", "colrow", lambda: _triton_only(Q.quantize_dual, x)),
             ("weight_32x32_both", "colrow32", lambda: Q.quantize_32x32(x)),
             ("weight_32x32_both_sm90", "colrow32", lambda: Q.quantize_32x32(x, scale_layout="sm90")),
         ]
@@ -138,13 +161,13 @@ def check(name: str, x: torch.Tensor, out) -> None:
         r = quantize(sub, axis=-1)
         s = r.scale if name == "rowwise" else (torch.stack([to_blocked(t) for t in r.scale]) if x.dim() == 3 else None)
         want = [(out[0][:sub.shape[0]], r.data)] + ([(out[1][:sub.shape[0]], s)] if s is not None else [])
-    elif name in ("columnwise", "weight_columnwise"):
+    elif name.startswith(("columnwise", "weight_columnwise")):
         c = quantize(sub, axis=-2)
         if x.dim() == 3:
             want = [(out[0][:2], c.data.mT), (out[1][:2], c.scale.mT)]
         else:
             want = [(out[0][:, :256], c.data.mT), (out[1][:, :8], c.scale.mT)]
-    elif name in ("dual", "weight_1x32_both"):  # both outputs (a tile config can break either one)
+    elif name.startswith(("dual", "weight_1x32_both")):  # both outputs (a tile config can break either one)
         r, c = quantize(sub, axis=-1), quantize(sub, axis=-2)
         want = [(out[0][:sub.shape[0]], r.data), (out[1][:sub.shape[0]], r.scale)]
         if x.dim() == 3:
@@ -168,8 +191,8 @@ def torchao_fn(x: torch.Tensor):
     return (lambda: AoMX.to_mx(x, torch.float8_e4m3fn, 32)), None
 
 
-SWEPT = ("rowwise", "columnwise", "dual", "grouped_8", "weight_rowwise_blocked", "weight_columnwise",
-         "weight_1x32_both", "weight_32x32_both")
+SWEPT = ("rowwise", "columnwise_triton", "dual_triton", "grouped_8", "weight_rowwise_blocked",
+         "weight_columnwise_triton", "weight_1x32_both_triton", "weight_32x32_both")
 
 
 def cfg_name(cfg) -> str:
@@ -374,8 +397,7 @@ def main():
                     Q._TUNED.pop(key, None)
                 else:
                     Q._TUNED[key] = saved
-            cfg = Q._TUNED.get(key) or _default_cfg(key)
-            record(name, shape, total, bench_ms(fn), config="auto " + cfg_name(cfg), key=key)
+            record(name, shape, total, bench_ms(fn), config="auto " + kernel_config(name, key, x), key=key)
         write_json()  # after every shape, so a run cut short keeps what it measured
         if args.ceiling:
             cc, bufs = ceiling_cases(x)

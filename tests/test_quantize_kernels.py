@@ -462,6 +462,44 @@ def test_gpu_real_shapes(dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
+    """The Gluon columnwise/dual kernel (taken on sm_90+): bit-exact against the reference and equal to
+    the Triton kernel (MXMOE_QUANT_GLUON=0) on tile-edge shapes, batches, FP16/FP32, strided rows."""
+    from mxmoe.kernels import quantize as Q
+
+    gen = torch.Generator().manual_seed(5)
+    big = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), 0).cuda()
+    if not Q._use_gluon(big[None]):
+        pytest.skip("the Gluon kernel is not used on this GPU")
+    wide = wide_randn((256, 520), torch.float32, "cpu", gen).cuda()
+    inputs = {
+        "bf16 2048x7168 special column blocks": big,
+        "bf16 2048x7168 special row blocks": with_special_blocks(big, -1),
+        "fp32 96x224 (partial tiles)": with_special_blocks(wide_randn((96, 224), torch.float32, "cpu", gen), 0).cuda(),
+        "fp16 3x160x96 batched": wide_randn((3, 160, 96), torch.float16, "cpu", gen).cuda(),
+        "fp32 rows strided 256x320 of 256x520": wide[:, :320],
+        "bf16 288x33 (odd K, columnwise only)": wide_randn((288, 33), torch.bfloat16, "cpu", gen).cuda(),
+    }
+    for tag, x in inputs.items():
+        for rule in RULES:
+            _poison_cuda_cache()
+            check_columnwise(Q, x, rule, layout, tag)
+            runs = [Q.quantize_columnwise]
+            if x.shape[-1] % 32 == 0:
+                check_dual(Q, x, rule, layout, tag)
+                runs.append(Q.quantize_dual)
+            for fn in runs:
+                got = fn(x, rule, layout)
+                monkeypatch.setenv("MXMOE_QUANT_GLUON", "0")
+                want = fn(x, rule, layout)  # the Triton kernel
+                monkeypatch.delenv("MXMOE_QUANT_GLUON")
+                for g, w in zip(got, want, strict=True):
+                    same_bytes(g, w, f"{tag} {rule} {fn.__name__}: Gluon vs Triton")
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("key", ["row", "col", "colrow", "colrow32", "grouped"])
 def test_gpu_tuned_configs(key):
     """Every tile config in use (quantize._TUNED, from the H200 sweeps) on real-size inputs, bit-exact."""

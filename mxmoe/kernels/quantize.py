@@ -107,6 +107,34 @@ _TUNED: dict[str, TileConfig] = {
 }
 
 
+# Gluon columnwise / dual kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
+# in the column layout. H200 2026-11-30 (NOTES_quantize.md, session 5): 86-90% of copy at 8x32 x 64
+# rows x cols with 2x4 warps, TM 4; 81-86% at 4x32 x 64 / 1x4 warps or 8x32 x 64 / 1x4 warps with TM 8.
+_GLUON_COL = dict(MB=8, BK=64, WM=2, WK=4, TM=4)
+
+
+def _use_gluon(x3: torch.Tensor) -> bool:
+    """Whether quantize_columnwise / quantize_dual run the Gluon kernel on x3 [B, M, K]: CUDA sm_90+ (the GPUs it
+    was checked on), unit stride along K, Gluon importable, not disabled by MXMOE_QUANT_GLUON=0."""
+    if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
+        return False
+    if x3.stride(2) != 1 and x3.shape[2] > 1:
+        return False
+    if torch.cuda.get_device_capability(x3.device)[0] < 9:
+        return False
+    try:
+        _gluon()
+    except ImportError:  # pragma: no cover - triton without Gluon
+        return False
+    return True
+
+
+def _gluon():
+    from mxmoe.kernels import quantize_gluon
+
+    return quantize_gluon
+
+
 def _config_grouped() -> TileConfig:
     """Launch config of mx_quantize_grouped_kernel ("tile" kind; BM must divide 128)."""
     if _interpreting():
@@ -188,6 +216,15 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
+        if col and not tile32 and _use_gluon(x3):
+            g = _GLUON_COL
+            n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
+            _gluon().mx_columnwise_kernel[(n_tiles,)](
+                x3, qc, sc, qr if row else qc, sr if row else sc, M, K, m_cover, k_cover, x3.stride(0),
+                x3.stride(1), sc[0].numel(), sr[0].numel() if row else 0, rceil,
+                ROW=row, LAYOUT=layout, VEC=16 // x3.element_size(), num_warps=g["WM"] * g["WK"], **g)
+            out = [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)] if row else []
+            return (*out, finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype))
         total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
         dummy = qr if qr is not None else qc
         args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,

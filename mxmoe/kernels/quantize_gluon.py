@@ -1,0 +1,153 @@
+"""Gluon kernel of columnwise and dual MXFP8 quantization (the body only; :mod:`mxmoe.kernels.quantize`
+picks it for ``quantize_columnwise`` and ``quantize_dual`` on sm_90+ and falls back to the Triton
+kernel elsewhere).
+
+Same contract and numerics as :func:`mxmoe.kernels.quantize_triton.mx_quantize_kernel` with
+``COL=True, TILE32=False`` (``ROW`` for dual) (the rules are in that module's docstring: integer max of the
+FP32 bits of |x|, E8M0 byte ``E - 8 (+1 rceil)`` clamped to [0, 254], 0xFF and data 0x7F for NaN/Inf
+blocks, E4M3 by ``cvt.rn.satfinite``). Why Gluon: the 32x1 block max runs along M, across the rows
+that a coalesced load spreads over lanes and warps; Triton picks that load layout for the reduction
+too (shuffles and shared-memory rounds per block, 68% of copy at best). Gluon lets us name the two
+layouts and convert once, as a transpose does::
+
+    x tile [MB, 32, BK] --coalesced 16-byte loads along K (L_IN)--> registers
+        --one convert_layout (shared memory)--> L_COL: a thread holds the 32 rows of one column of
+        one block: the block max is in-thread; TM lanes take TM neighbouring blocks of the same
+        column, so a warp's transposed store writes TM * 32 contiguous bytes of qc[k, :]
+
+The data movement alone (no quantization) runs at 97% of copy in the same design; this kernel at
+86-90% on the H200 (benchmarks/NOTES_quantize.md, session 5).
+
+Inputs: ``x`` [B, M, K] with unit stride along K, ``M % 32 == 0``; outputs qc [B, K, M] (uint8
+E4M3 bytes) and sc [B, K, M/32] in the scale layout ``LAYOUT`` (0 row-major, 1 cuBLAS blocked, 2
+the Hopper GEMM's FP32 layout; as ``quantize_triton._store_scales``). Tiles cover
+``[M_cover, K_cover]`` so the blocked layout's zero padding is written.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def _e8m0(amax_bits, rceil):
+    """E8M0 byte (int32) from the FP32 bits of a block's |max| (NaN/Inf -> 255)."""
+    e = amax_bits >> 23
+    mant = amax_bits & 0x7FFFFF
+    byte = e - 8 + ((mant > 0x600000) & (rceil != 0)).to(gl.int32)
+    byte = gl.minimum(gl.maximum(byte, 0), 254)
+    return gl.where(e == 255, 255, byte)
+
+
+@gluon.jit
+def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, LAYOUT: gl.constexpr):
+    """Scales (r, c) of a [n_rows, n_cols] scale matrix: 0 row-major bytes, 1 cuBLAS 128x4 blocked
+    bytes with zero padding, 2 FP32 bits transposed to [n_cols, ceil4(n_rows)] (byte 0 -> 2^-127,
+    255 -> NaN); see quantize_triton._store_scales."""
+    r64 = r.to(gl.int64)
+    if LAYOUT == 1:
+        n_col_tiles = (n_cols + 3) // 4
+        mask = (r < ((n_rows + 127) // 128) * 128) & (c < n_col_tiles * 4)
+        idx = ((r64 // 128) * n_col_tiles + c // 4) * 512 + (r64 % 32) * 16 + ((r64 // 32) % 4) * 4 + (c % 4)
+        gl.store(s_ptr + idx, byte.to(gl.uint8), mask=mask)
+    elif LAYOUT == 2:
+        rows_pad = (n_rows + 3) // 4 * 4
+        bits = gl.where(byte == 0, 0x00400000, gl.where(byte == 255, 0x7FC00000, byte << 23))
+        bits = gl.where(r < n_rows, bits, 0)
+        gl.store(s_ptr + c.to(gl.int64) * rows_pad + r64, bits.to(gl.int32), mask=(r < rows_pad) & (c < n_cols))
+    else:
+        gl.store(s_ptr + r64 * n_cols + c, byte.to(gl.uint8), mask=(r < n_rows) & (c < n_cols))
+
+
+@gluon.jit
+def _to_f32(x):
+    """Exact upcast to FP32 (BF16 through its bits)."""
+    if x.dtype == gl.bfloat16:
+        return (x.to(gl.int16, bitcast=True).to(gl.int32) << 16).to(gl.float32, bitcast=True)
+    else:
+        return x.to(gl.float32)
+
+
+@gluon.jit
+def _quantize(xf, byte):
+    """E4M3 bytes (uint8) of xf * 2^(127 - byte); byte 255 multiplies by NaN, which satfinite
+    conversion turns into 0x7F."""
+    mult = gl.where(byte == 255, 0x7FC00000, (254 - byte) << 23).to(gl.float32, bitcast=True)
+    return (xf * mult).to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+
+
+@gluon.jit
+def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, LAYOUT: gl.constexpr,
+             MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, L_IN: gl.constexpr):
+    """The dual kernel's rowwise half, on the tile x [MB, 32, BK] as loaded (L_IN, global indices
+    m [MB, 32, 1], k [1, 1, BK]): a 1x32 block along K is VEC elements in each of 32/VEC
+    neighbouring lanes, so its max is in-thread plus shuffles. Stores qr and the scales sr."""
+    NB: gl.constexpr = BK // 32
+    xf = gl.reshape(_to_f32(x), [MB, 32, NB, 32])
+    byte = _e8m0(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3), rceil)  # [MB, 32, NB]
+    q = gl.convert_layout(gl.reshape(_quantize(xf, gl.expand_dims(byte, 3)), [MB, 32, BK]), L_IN)
+    gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, q, mask=(m < M) & (k < K))
+    L_S: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32 // NB, NB], [WM, WK, 1], [2, 1, 0])
+    r0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_S)))
+    r1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_S)))
+    r2 = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_S)))
+    sr = tm * MB * 32 + gl.expand_dims(gl.expand_dims(r0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(r1, 0), 2)
+    sc = tk * NB + gl.expand_dims(gl.expand_dims(r2, 0), 1)
+    _store_scales(sr_ptr + b * sr_stride_b, sr, sc, gl.convert_layout(byte, L_S), M, K // 32, LAYOUT)
+
+
+@gluon.jit(do_not_specialize=["rceil"])
+def mx_columnwise_kernel(
+    x_ptr, qc_ptr, sc_ptr, qr_ptr, sr_ptr, M, K, M_cover, K_cover, stride_xb, stride_xm,
+    sc_stride_b, sr_stride_b, rceil,
+    ROW: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
+    WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr,
+):
+    """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, then k-tiles, then b); WM*WK warps.
+
+    L_IN: VEC elements (16 bytes) per thread along K, BK/VEC lanes along K, warps [WM, WK] over
+    (block, row). L_COL: 32 rows of one block per thread, TM lanes over blocks and 32/TM over
+    columns, warps [WM, WK] over (block, column); needs MB % (TM*WM) == 0 and BK % (32/TM*WK) == 0.
+    ROW (dual): also the rowwise data qr [B, M, K] and scales sr [B, M, K/32] (K % 32 == 0), from
+    the same load.
+    """
+    TPK: gl.constexpr = BK // VEC
+    L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
+    L_COL: gl.constexpr = gl.BlockedLayout([1, 32, 1], [TM, 1, 32 // TM], [WM, 1, WK], [1, 0, 2])
+    BM: gl.constexpr = MB * 32
+    n_m = gl.cdiv(M_cover, BM)
+    n_k = gl.cdiv(K_cover, BK)
+    pid = gl.program_id(0)
+    tm = pid % n_m
+    tk = (pid // n_m) % n_k
+    b = (pid // n_m // n_k).to(gl.int64)
+
+    # load [MB, 32, BK] in L_IN (zeros past M, K: the padding of blocked scales)
+    i0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_IN)))
+    i1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_IN)))
+    i2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_IN)))
+    m = tm * BM + gl.expand_dims(gl.expand_dims(i0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(i1, 0), 2)
+    k = tk * BK + gl.expand_dims(gl.expand_dims(i2, 0), 1)
+    x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
+
+    if ROW:
+        _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, LAYOUT, MB, BK, WM, WK, L_IN)
+
+    # columns: one layout conversion, then everything per thread
+    xf = _to_f32(gl.convert_layout(x, L_COL))
+    byte = _e8m0(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), rceil)  # [MB, BK]
+    q = _quantize(xf, gl.expand_dims(byte, 1))
+
+    c0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_COL)))
+    c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_COL)))
+    c2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_COL)))
+    mc = tm * BM + gl.expand_dims(gl.expand_dims(c0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(c1, 0), 2)
+    kc = tk * BK + gl.expand_dims(gl.expand_dims(c2, 0), 1)
+    gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, q, mask=(mc < M) & (kc < K))
+
+    s0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(1, L_COL)))
+    s2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_COL)))
+    sk = tk * BK + gl.expand_dims(s2, 0)  # scale row = k
+    sm = tm * MB + gl.expand_dims(s0, 1)  # scale column = block of 32 rows
+    _store_scales(sc_ptr + b * sc_stride_b, sk, sm, byte, K, M // 32, LAYOUT)
