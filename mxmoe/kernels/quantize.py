@@ -114,7 +114,8 @@ _GLUON_COL = dict(MB=8, BK=64, WM=2, WK=4, TM=4)
 
 
 def _use_gluon(x3: torch.Tensor) -> bool:
-    """Whether quantize_columnwise / quantize_dual run the Gluon kernel on x3 [B, M, K]: CUDA sm_90+ (the GPUs it
+    """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_dual_bf16
+    with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90+ (the GPUs it
     was checked on), unit stride along K, Gluon importable, not disabled by MXMOE_QUANT_GLUON=0."""
     if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
         return False
@@ -222,7 +223,7 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
             _gluon().mx_columnwise_kernel[(n_tiles,)](
                 x3, qc, sc, qr if row else qc, sr if row else sc, M, K, m_cover, k_cover, x3.stride(0),
                 x3.stride(1), sc[0].numel(), sr[0].numel() if row else 0, rceil,
-                ROW=row, LAYOUT=layout, VEC=16 // x3.element_size(), num_warps=g["WM"] * g["WK"], **g)
+                ROW=int(row), COL=1, LAYOUT=layout, VEC=16 // x3.element_size(), num_warps=g["WM"] * g["WK"], **g)
             out = [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)] if row else []
             return (*out, finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype))
         total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
@@ -458,7 +459,16 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
     bc = torch.empty(B, K, M, dtype=torch.bfloat16, device=dev) if col_bf16 else None
     qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev) if col_fp8 else None
     sc = torch.empty(B, K, M // BLOCK, dtype=torch.uint8, device=dev) if col_fp8 else None
-    if x3.numel() > 0:
+    if x3.numel() > 0 and col and not tile32 and not (col_bf16 and col_fp8) and _use_gluon(x3):
+        g = _GLUON_COL
+        n_tiles = B * triton_cdiv(M, 32 * g["MB"]) * triton_cdiv(K, g["BK"])
+        qc_out = bc if col_bf16 else qc
+        _gluon().mx_columnwise_kernel[(n_tiles,)](
+            x3, qc_out, sc if col_fp8 else qc_out, br if row_bf16 else qc_out, qc_out, M, K, M, K,
+            x3.stride(0), x3.stride(1), K * (M // BLOCK), 0, rceil,
+            ROW=2 if row_bf16 else 0, COL=2 if col_bf16 else 1, LAYOUT=0, VEC=16 // x3.element_size(),
+            num_warps=g["WM"] * g["WK"], **g)
+    elif x3.numel() > 0:
         BM, BK, num_warps, persistent = _config_qdq(col)
         total = triton_cdiv(M, BM) * triton_cdiv(K, BK) * B
         dummy = next(t for t in (br, bc, qc) if t is not None)

@@ -1,9 +1,9 @@
-"""Gluon kernel of columnwise and dual MXFP8 quantization (the body only; :mod:`mxmoe.kernels.quantize`
-picks it for ``quantize_columnwise`` and ``quantize_dual`` on sm_90+ and falls back to the Triton
-kernel elsewhere).
+"""Gluon kernel of the column-family MXFP8 outputs (the body only; :mod:`mxmoe.kernels.quantize`
+picks it for ``quantize_columnwise``, ``quantize_dual``, ``qdq_dual`` and ``qdq_dual_bf16`` on sm_90+
+and falls back to the Triton kernels elsewhere).
 
-Same contract and numerics as :func:`mxmoe.kernels.quantize_triton.mx_quantize_kernel` with
-``COL=True, TILE32=False`` (``ROW`` for dual) (the rules are in that module's docstring: integer max of the
+Same contracts and numerics as :func:`mxmoe.kernels.quantize_triton.mx_quantize_kernel` with
+``COL=True, TILE32=False`` (``ROW`` for dual) and ``mx_qdq_kernel`` with a column output (the rules are in that module's docstring: integer max of the
 FP32 bits of |x|, E8M0 byte ``E - 8 (+1 rceil)`` clamped to [0, 254], 0xFF and data 0x7F for NaN/Inf
 blocks, E4M3 by ``cvt.rn.satfinite``). Why Gluon: the 32x1 block max runs along M, across the rows
 that a coalesced load spreads over lanes and warps; Triton picks that load layout for the reduction
@@ -78,16 +78,41 @@ def _quantize(xf, byte):
 
 
 @gluon.jit
-def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, LAYOUT: gl.constexpr,
+def _expand_bf16(q, byte):
+    """BF16 of the E4M3 bytes q (uint8) times 2^(byte - 127), as dequantize.mx_expand_bf16: two
+    normal FP32 powers of two (the first product exact, the second rounds once); byte 255 -> NaN."""
+    e = byte - 127
+    e1 = e >> 1
+    s1 = ((e1 + 127) << 23).to(gl.float32, bitcast=True)
+    s2 = gl.where(byte == 255, 0x7FC00000, (e - e1 + 127) << 23).to(gl.float32, bitcast=True)
+    return ((q.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s1) * s2).to(gl.bfloat16)
+
+
+@gluon.jit
+def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: gl.constexpr, LAYOUT: gl.constexpr,
              MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, L_IN: gl.constexpr):
-    """The dual kernel's rowwise half, on the tile x [MB, 32, BK] as loaded (L_IN, global indices
-    m [MB, 32, 1], k [1, 1, BK]): a 1x32 block along K is VEC elements in each of 32/VEC
-    neighbouring lanes, so its max is in-thread plus shuffles. Stores qr and the scales sr."""
+    """The rowwise half, on the tile x [MB, 32, BK] as loaded (L_IN, global indices m [MB, 32, 1],
+    k [1, 1, BK]): a 1x32 block along K is VEC elements in each of 32/VEC neighbouring lanes, so its
+    max is in-thread plus shuffles. OUT 1: E4M3 qr [B, M, K] and scales sr; OUT 2: the BF16 MX
+    values (quantize, then expand) into qr [B, M, K] bf16."""
     NB: gl.constexpr = BK // 32
     xf = gl.reshape(_to_f32(x), [MB, 32, NB, 32])
     byte = _e8m0(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3), rceil)  # [MB, 32, NB]
-    q = gl.convert_layout(gl.reshape(_quantize(xf, gl.expand_dims(byte, 3)), [MB, 32, BK]), L_IN)
-    gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, q, mask=(m < M) & (k < K))
+    q = _quantize(xf, gl.expand_dims(byte, 3))
+    if OUT == 2:
+        v = gl.convert_layout(gl.reshape(_expand_bf16(q, gl.expand_dims(byte, 3)), [MB, 32, BK]), L_IN)
+        gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, v, mask=(m < M) & (k < K))
+    else:
+        q = gl.convert_layout(gl.reshape(q, [MB, 32, BK]), L_IN)
+        gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, q, mask=(m < M) & (k < K))
+        _rowwise_scales(byte, tm, tk, b, sr_ptr, M, K, sr_stride_b, LAYOUT, MB, BK, WM, WK)
+
+
+@gluon.jit
+def _rowwise_scales(byte, tm, tk, b, sr_ptr, M, K, sr_stride_b, LAYOUT: gl.constexpr,
+                    MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr):
+    """Store the rowwise scale bytes [MB, 32, BK/32] of tile (tm, tk) (one byte per thread)."""
+    NB: gl.constexpr = BK // 32
     L_S: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 32 // NB, NB], [WM, WK, 1], [2, 1, 0])
     r0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_S)))
     r1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_S)))
@@ -101,7 +126,7 @@ def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, LAYOU
 def mx_columnwise_kernel(
     x_ptr, qc_ptr, sc_ptr, qr_ptr, sr_ptr, M, K, M_cover, K_cover, stride_xb, stride_xm,
     sc_stride_b, sr_stride_b, rceil,
-    ROW: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
+    ROW: gl.constexpr, COL: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
     WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, then k-tiles, then b); WM*WK warps.
@@ -109,8 +134,10 @@ def mx_columnwise_kernel(
     L_IN: VEC elements (16 bytes) per thread along K, BK/VEC lanes along K, warps [WM, WK] over
     (block, row). L_COL: 32 rows of one block per thread, TM lanes over blocks and 32/TM over
     columns, warps [WM, WK] over (block, column); needs MB % (TM*WM) == 0 and BK % (32/TM*WK) == 0.
-    ROW (dual): also the rowwise data qr [B, M, K] and scales sr [B, M, K/32] (K % 32 == 0), from
-    the same load.
+    Outputs, by mode (1: E4M3 data + E8M0 scales, 2: BF16 MX values, i.e. quantize then expand):
+    COL 1: qc [B, K, M] + sc (quantize_columnwise); COL 2: qc [B, K, M] bf16 (the transposed QDQ).
+    ROW 0: none; 1: qr [B, M, K] + sr [B, M, K/32] (quantize_dual); 2: qr [B, M, K] bf16 (qdq_dual).
+    ROW needs K % 32 == 0. The row outputs come from the same load.
     """
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
@@ -131,8 +158,8 @@ def mx_columnwise_kernel(
     k = tk * BK + gl.expand_dims(gl.expand_dims(i2, 0), 1)
     x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
 
-    if ROW:
-        _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, LAYOUT, MB, BK, WM, WK, L_IN)
+    if ROW != 0:
+        _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN)
 
     # columns: one layout conversion, then everything per thread
     xf = _to_f32(gl.convert_layout(x, L_COL))
@@ -144,8 +171,18 @@ def mx_columnwise_kernel(
     c2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_COL)))
     mc = tm * BM + gl.expand_dims(gl.expand_dims(c0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(c1, 0), 2)
     kc = tk * BK + gl.expand_dims(gl.expand_dims(c2, 0), 1)
-    gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, q, mask=(mc < M) & (kc < K))
+    if COL == 2:
+        v = _expand_bf16(q, gl.expand_dims(byte, 1))
+        gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, v, mask=(mc < M) & (kc < K))
+    else:
+        gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, q, mask=(mc < M) & (kc < K))
+        _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT, MB, BK, L_COL)
 
+
+@gluon.jit
+def _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT: gl.constexpr,
+                       MB: gl.constexpr, BK: gl.constexpr, L_COL: gl.constexpr):
+    """Store the columnwise scale bytes [MB, BK] of tile (tm, tk): scale row k, column m // 32."""
     s0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(1, L_COL)))
     s2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_COL)))
     sk = tk * BK + gl.expand_dims(s2, 0)  # scale row = k
