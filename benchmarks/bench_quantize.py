@@ -113,7 +113,8 @@ def _triton_only(fn, x):
 
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
     """What a case runs: the Gluon columnwise/dual kernel's tile, or the Triton kernel's TileConfig."""
-    if key in ("col", "colrow") and not name.endswith("_triton") and Q._use_gluon(x if x.dim() == 3 else x[None]):
+    x3 = x if x.dim() == 3 else x[None]
+    if key in ("col", "colrow") and not name.endswith("_triton") and Q._use_gluon(x3, row=key == "colrow"):
         g = Q._GLUON_COL
         return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))

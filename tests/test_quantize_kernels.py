@@ -470,7 +470,7 @@ def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
 
     gen = torch.Generator().manual_seed(5)
     big = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), 0).cuda()
-    if not Q._use_gluon(big[None]):
+    if not Q._use_gluon(big[None], row=False):
         pytest.skip("the Gluon kernel is not used on this GPU")
     wide = wide_randn((256, 520), torch.float32, "cpu", gen).cuda()
     inputs = {

@@ -113,11 +113,15 @@ _TUNED: dict[str, TileConfig] = {
 _GLUON_COL = dict(MB=8, BK=64, WM=2, WK=4, TM=4)
 
 
-def _use_gluon(x3: torch.Tensor) -> bool:
+def _use_gluon(x3: torch.Tensor, row: bool) -> bool:
     """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_dual_bf16
-    with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90+ (the GPUs it
-    was checked on), unit stride along K, Gluon importable, not disabled by MXMOE_QUANT_GLUON=0."""
+    with 1x32 blocks; ``row``: with a rowwise output) run the Gluon kernel on x3 [B, M, K]: CUDA
+    sm_90+ (the GPUs it was checked on), unit stride along K, Gluon importable, not disabled by
+    MXMOE_QUANT_GLUON=0, and not FP32 input with a rowwise output (4 elements per 16-byte load put a
+    1x32 block across 8 lanes; measured 1.0-1.46x the Triton kernel's time, H200 2026-11-30)."""
     if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
+        return False
+    if row and x3.dtype == torch.float32:
         return False
     if x3.stride(2) != 1 and x3.shape[2] > 1:
         return False
@@ -217,10 +221,10 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        if col and not tile32 and _use_gluon(x3):
+        if col and not tile32 and _use_gluon(x3, row):
             g = _GLUON_COL
             n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
-            _gluon().mx_columnwise_kernel[(n_tiles,)](
+            _gluon().mx_quantize_cols_kernel[(n_tiles,)](
                 x3, qc, sc, qr if row else qc, sr if row else sc, M, K, m_cover, k_cover, x3.stride(0),
                 x3.stride(1), sc[0].numel(), sr[0].numel() if row else 0, rceil,
                 ROW=int(row), COL=1, LAYOUT=layout, VEC=16 // x3.element_size(), num_warps=g["WM"] * g["WK"], **g)
@@ -459,11 +463,11 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
     bc = torch.empty(B, K, M, dtype=torch.bfloat16, device=dev) if col_bf16 else None
     qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev) if col_fp8 else None
     sc = torch.empty(B, K, M // BLOCK, dtype=torch.uint8, device=dev) if col_fp8 else None
-    if x3.numel() > 0 and col and not tile32 and not (col_bf16 and col_fp8) and _use_gluon(x3):
+    if x3.numel() > 0 and col and not tile32 and not (col_bf16 and col_fp8) and _use_gluon(x3, row_bf16):
         g = _GLUON_COL
         n_tiles = B * triton_cdiv(M, 32 * g["MB"]) * triton_cdiv(K, g["BK"])
         qc_out = bc if col_bf16 else qc
-        _gluon().mx_columnwise_kernel[(n_tiles,)](
+        _gluon().mx_quantize_cols_kernel[(n_tiles,)](
             x3, qc_out, sc if col_fp8 else qc_out, br if row_bf16 else qc_out, qc_out, M, K, M, K,
             x3.stride(0), x3.stride(1), K * (M // BLOCK), 0, rceil,
             ROW=2 if row_bf16 else 0, COL=2 if col_bf16 else 1, LAYOUT=0, VEC=16 // x3.element_size(),

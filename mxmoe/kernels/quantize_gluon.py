@@ -123,7 +123,7 @@ def _rowwise_scales(byte, tm, tk, b, sr_ptr, M, K, sr_stride_b, LAYOUT: gl.const
 
 
 @gluon.jit(do_not_specialize=["rceil"])
-def mx_columnwise_kernel(
+def mx_quantize_cols_kernel(
     x_ptr, qc_ptr, sc_ptr, qr_ptr, sr_ptr, M, K, M_cover, K_cover, stride_xb, stride_xm,
     sc_stride_b, sr_stride_b, rceil,
     ROW: gl.constexpr, COL: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
