@@ -14,7 +14,7 @@ rowwise with blocked per-group scales (8 and 128 balanced groups); peers: the pu
 reference ``mxmoe.quantize`` on CUDA and torchao's MXFP8 cast if it imports.
 On sm_90+ columnwise and dual run the Gluon kernel; the ``*_triton`` rows time the Triton kernel on
 the same input (``MXMOE_QUANT_GLUON=0``). ``--sweep`` also times a few tile configurations per Triton
-kernel (rows tagged ``sweep``).
+kernel, and of the Gluon kernel's tiles (rows tagged ``sweep``).
 ``--ceiling`` times the data movement of the transposing kernels without the quantization: a Triton
 kernel that stores each BF16 element's high byte transposed (``ceiling_columnwise``), or transposed
 and in place (``ceiling_dual``), best of a few tiles, and torch's transposing cast to E4M3
@@ -54,6 +54,10 @@ SWEEP = {  # _TUNED key -> candidate TileConfigs of mx_quantize_kernel
     "colrow32": _COLS,
     "grouped": [T(32, 256, 4, P), T(32, 512, 8, P), T(32, 256, 4, NP)],
 }
+
+# Gluon column-family kernel (quantize._GLUON_COL): (MB, BK, WM, WK, TM), see quantize_gluon.py
+GLUON_SWEEP = [(8, 64, 2, 4, 4), (4, 64, 1, 4, 4), (8, 64, 1, 4, 8), (8, 64, 2, 2, 4), (4, 128, 1, 4, 4),
+               (16, 64, 4, 2, 4), (8, 128, 2, 4, 4), (4, 64, 4, 1, 1)]
 
 DEV = "cuda"
 
@@ -380,6 +384,22 @@ def main():
             check(name, x, out)
             total = in_bytes + nbytes(*[t for t in out if isinstance(t, torch.Tensor) and t.dtype != torch.int32])
             del out
+            if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both") \
+                    and kernel_config(name, key, x).startswith("gluon"):
+                saved = dict(Q._GLUON_COL)
+                for MB, BK, WM, WK, TM in GLUON_SWEEP:
+                    Q._GLUON_COL.update(MB=MB, BK=BK, WM=WM, WK=WK, TM=TM)
+                    if Q._GLUON_COL == saved:
+                        continue  # timed below as "auto"
+                    try:
+                        out = fn()
+                        sync()
+                        check(name, x, out)
+                        del out
+                        record(name, shape, total, bench_ms(fn), config="sweep " + kernel_config(name, key, x))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"sweep {name} gluon {MB, BK, WM, WK, TM}: {type(e).__name__}: {e}", flush=True)
+                Q._GLUON_COL.update(saved)
             if args.sweep and key is not None and name in SWEPT:
                 saved = Q._TUNED.get(key)
                 for cfg in SWEEP[key]:

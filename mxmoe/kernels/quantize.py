@@ -95,8 +95,10 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 # "swiglu" entries by tests/test_qdq_kernels.py::test_gpu_swiglu_qdq_equals_composition).
 _TUNED: dict[str, TileConfig] = {
     "row": TileConfig(32, 256, 4, False),  # 86-96% of copy on every shape (32x512/w8 fell to 61% on 16384x5120)
-    "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%)
-    "colrow": TileConfig(64, 64, 2, True),  # (32x128/w2 timed faster, 53-69%, but faulted in test_gpu_tuned_configs)
+    "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%); on sm_90+ the Gluon kernel runs instead
+    # dual (the Triton path: FP32 input, MXMOE_QUANT_GLUON=0). 32x128/w2 timed faster on two shapes but
+    # faulted with blocked scales: an LLVM/NVPTX miscompile of its scale index (NOTES_quantize.md, session 5)
+    "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
     "grouped": TileConfig(32, 256, 4, False),
     # fused SwiGLU + QDQ (results/h200/swiglu_qdq_configs.txt): 32x64/w2 2.57-2.64 TB/s vs 2.16-2.26 at the
@@ -107,9 +109,9 @@ _TUNED: dict[str, TileConfig] = {
 }
 
 
-# Gluon columnwise / dual kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
-# in the column layout. H200 2026-11-30 (NOTES_quantize.md, session 5): 86-90% of copy at 8x32 x 64
-# rows x cols with 2x4 warps, TM 4; 81-86% at 4x32 x 64 / 1x4 warps or 8x32 x 64 / 1x4 warps with TM 8.
+# Gluon column-family kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
+# in the column layout. H200 2026-11-30 (NOTES_quantize.md, session 5): columnwise 82-88% of copy, dual
+# 50-80% (Triton: 68-70%, 48-57%); in a standalone sweep this tile beat 11 others (TM 1: 42-48%).
 _GLUON_COL = dict(MB=8, BK=64, WM=2, WK=4, TM=4)
 
 
