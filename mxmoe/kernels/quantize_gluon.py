@@ -29,58 +29,16 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-
-@gluon.jit
-def _e8m0(amax_bits, rceil):
-    """E8M0 byte (int32) from the FP32 bits of a block's |max| (NaN/Inf -> 255)."""
-    e = amax_bits >> 23
-    mant = amax_bits & 0x7FFFFF
-    byte = e - 8 + ((mant > 0x600000) & (rceil != 0)).to(gl.int32)
-    byte = gl.minimum(gl.maximum(byte, 0), 254)
-    return gl.where(e == 255, 255, byte)
-
-
-@gluon.jit
-def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, LAYOUT: gl.constexpr):
-    """Scales (r, c) of a [n_rows, n_cols] scale matrix: 0 row-major bytes, 1 cuBLAS 128x4 blocked
-    bytes with zero padding, 2 FP32 bits transposed to [n_cols, ceil4(n_rows)] (byte 0 -> 2^-127,
-    255 -> NaN); see quantize_triton._store_scales."""
-    r64 = r.to(gl.int64)
-    if LAYOUT == 1:
-        n_col_tiles = (n_cols + 3) // 4
-        mask = (r < ((n_rows + 127) // 128) * 128) & (c < n_col_tiles * 4)
-        idx = ((r64 // 128) * n_col_tiles + c // 4) * 512 + (r64 % 32) * 16 + ((r64 // 32) % 4) * 4 + (c % 4)
-        gl.store(s_ptr + idx, byte.to(gl.uint8), mask=mask)
-    elif LAYOUT == 2:
-        rows_pad = (n_rows + 3) // 4 * 4
-        bits = gl.where(byte == 0, 0x00400000, gl.where(byte == 255, 0x7FC00000, byte << 23))
-        bits = gl.where(r < n_rows, bits, 0)
-        gl.store(s_ptr + c.to(gl.int64) * rows_pad + r64, bits.to(gl.int32), mask=(r < rows_pad) & (c < n_cols))
-    else:
-        gl.store(s_ptr + r64 * n_cols + c, byte.to(gl.uint8), mask=(r < n_rows) & (c < n_cols))
-
-
-@gluon.jit
-def _to_f32(x):
-    """Exact upcast to FP32 (BF16 through its bits)."""
-    if x.dtype == gl.bfloat16:
-        return (x.to(gl.int16, bitcast=True).to(gl.int32) << 16).to(gl.float32, bitcast=True)
-    else:
-        return x.to(gl.float32)
-
-
-@gluon.jit
-def _quantize(xf, byte):
-    """E4M3 bytes (uint8) of xf * 2^(127 - byte); byte 255 multiplies by NaN, which satfinite
-    conversion turns into 0x7F."""
-    mult = gl.where(byte == 255, 0x7FC00000, (254 - byte) << 23).to(gl.float32, bitcast=True)
-    return (xf * mult).to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+# The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
+from mxmoe.kernels.quantize_triton import _e8m0_from_amax_bits, _quantize_elems, _store_scales, _to_f32
 
 
 @gluon.jit
 def _expand_bf16(q, byte):
-    """BF16 of the E4M3 bytes q (uint8) times 2^(byte - 127), as dequantize.mx_expand_bf16: two
-    normal FP32 powers of two (the first product exact, the second rounds once); byte 255 -> NaN."""
+    """BF16 of the E4M3 bytes q (uint8) times 2^(byte - 127): the values of dequantize.mx_expand_bf16
+    (two normal FP32 powers of two, the second product rounds once; byte 255 -> NaN). Kept apart
+    because it selects the NaN on the integer bits, the form whose SASS ran on the GPU (H200,
+    2026-11-30); calling mx_expand_bf16 changes the SASS of the QDQ modes (not yet re-run)."""
     e = byte - 127
     e1 = e >> 1
     s1 = ((e1 + 127) << 23).to(gl.float32, bitcast=True)
@@ -97,8 +55,8 @@ def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: 
     values (quantize, then expand) into qr [B, M, K] bf16."""
     NB: gl.constexpr = BK // 32
     xf = gl.reshape(_to_f32(x), [MB, 32, NB, 32])
-    byte = _e8m0(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3), rceil)  # [MB, 32, NB]
-    q = _quantize(xf, gl.expand_dims(byte, 3))
+    byte = _e8m0_from_amax_bits(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3), rceil)  # [MB, 32, NB]
+    q = _quantize_elems(xf, gl.expand_dims(byte, 3), False)
     if OUT == 2:
         v = gl.convert_layout(gl.reshape(_expand_bf16(q, gl.expand_dims(byte, 3)), [MB, 32, BK]), L_IN)
         gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, v, mask=(m < M) & (k < K))
@@ -119,7 +77,7 @@ def _rowwise_scales(byte, tm, tk, b, sr_ptr, M, K, sr_stride_b, LAYOUT: gl.const
     r2 = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_S)))
     sr = tm * MB * 32 + gl.expand_dims(gl.expand_dims(r0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(r1, 0), 2)
     sc = tk * NB + gl.expand_dims(gl.expand_dims(r2, 0), 1)
-    _store_scales(sr_ptr + b * sr_stride_b, sr, sc, gl.convert_layout(byte, L_S), M, K // 32, LAYOUT)
+    _store_scales(sr_ptr + b * sr_stride_b, sr, sc, gl.convert_layout(byte, L_S), M, K // 32, (K // 32 + 3) // 4, LAYOUT)
 
 
 @gluon.jit(do_not_specialize=["rceil"])
@@ -163,8 +121,8 @@ def mx_quantize_cols_kernel(
 
     # columns: one layout conversion, then everything per thread
     xf = _to_f32(gl.convert_layout(x, L_COL))
-    byte = _e8m0(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), rceil)  # [MB, BK]
-    q = _quantize(xf, gl.expand_dims(byte, 1))
+    byte = _e8m0_from_amax_bits(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), rceil)  # [MB, BK]
+    q = _quantize_elems(xf, gl.expand_dims(byte, 1), False)
 
     c0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_COL)))
     c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_COL)))
@@ -187,4 +145,4 @@ def _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT: gl.co
     s2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_COL)))
     sk = tk * BK + gl.expand_dims(s2, 0)  # scale row = k
     sm = tm * MB + gl.expand_dims(s0, 1)  # scale column = block of 32 rows
-    _store_scales(sc_ptr + b * sc_stride_b, sk, sm, byte, K, M // 32, LAYOUT)
+    _store_scales(sc_ptr + b * sc_stride_b, sk, sm, byte, K, M // 32, (M // 32 + 3) // 4, LAYOUT)
