@@ -12,7 +12,7 @@ Shapes (BF16): activations 32768x7168, 131072x2048, 16384x5120; weights 8x28672x
 dual, weights (1x32 both orientations = dual of [E, N, K]; 32x32 both orientations), grouped
 rowwise with blocked per-group scales (8 and 128 balanced groups); peers: the pure-torch
 reference ``mxmoe.quantize`` on CUDA and torchao's MXFP8 cast if it imports.
-On sm_90+ columnwise and dual run the Gluon kernel; the ``*_triton`` rows time the Triton kernel on
+On sm_90 (H100/H200) columnwise and dual run the Gluon kernel; the ``*_triton`` rows time the Triton kernel on
 the same input (``MXMOE_QUANT_GLUON=0``). ``--sweep`` also times a few tile configurations per Triton
 kernel, and of the Gluon kernel's tiles (rows tagged ``sweep``).
 ``--ceiling`` times the data movement of the transposing kernels without the quantization: a Triton
@@ -108,11 +108,15 @@ def balanced_offs(M: int, E: int) -> torch.Tensor:
 
 def _triton_only(fn, x):
     """fn(x) with the Gluon columnwise/dual kernel switched off (the Triton kernel, for comparison)."""
+    before = os.environ.get("MXMOE_QUANT_GLUON")
     os.environ["MXMOE_QUANT_GLUON"] = "0"
     try:
         return fn(x)
     finally:
-        del os.environ["MXMOE_QUANT_GLUON"]
+        if before is None:
+            del os.environ["MXMOE_QUANT_GLUON"]
+        else:
+            os.environ["MXMOE_QUANT_GLUON"] = before
 
 
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
@@ -423,6 +427,8 @@ def main():
         if args.ceiling:
             cc, bufs = ceiling_cases(x)
             for name, cfg, fn, total in cc:
+                for buf in bufs[1:]:
+                    buf.fill_(0xA5)  # poison: a tile that writes nothing fails the check
                 fn()
                 sync()
                 if name != "torch_transpose_cast":
@@ -474,6 +480,19 @@ def main():
         for r in ceil.values():
             print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%"
                   f"  {r['config']}")
+    gluon = {}  # kernel -> config -> ratios over the shapes (the Gluon tile sweep)
+    for r in rows:
+        if "gluon" in r["config"] and r["config"].startswith(("sweep ", "auto ")):
+            gluon.setdefault(r["kernel"], {}).setdefault(r["config"].split(" ", 1)[1], []).append(r["ratio"])
+    if any(len(v) > 1 for v in gluon.values()):
+        import math
+
+        print("\nGluon tiles (geometric mean of % of copy over the shapes):")
+        for kernel, by_cfg in gluon.items():
+            n = max(len(v) for v in by_cfg.values())
+            score = {c: math.exp(sum(map(math.log, v)) / n) for c, v in by_cfg.items() if len(v) == n}
+            for c in sorted(score, key=score.get, reverse=True):
+                print(f"{kernel:24s} {c:28s} {100 * score[c]:5.1f}%")
     if best:
         print("\nbest config per kernel family (geometric mean over the swept shapes):")
         for r in rows:

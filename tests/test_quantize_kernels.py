@@ -464,7 +464,7 @@ def test_gpu_real_shapes(dtype):
 @needs_cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
-    """The Gluon columnwise/dual kernel (taken on sm_90+): bit-exact against the reference and equal to
+    """The Gluon columnwise/dual kernel (taken on sm_90): bit-exact against the reference and equal to
     the Triton kernel (MXMOE_QUANT_GLUON=0) on tile-edge shapes, batches, FP16/FP32, strided rows."""
     from mxmoe.kernels import quantize as Q
 

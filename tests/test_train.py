@@ -141,7 +141,12 @@ def test_compile_trains_the_same_model(tmp_path):
     assert out[""]["train_loss"][0] != out[""]["train_loss"][-1]  # it trained
 
 
-def test_config_checks():
+def test_config_checks(monkeypatch):
+    make_config("tiny", compile="inductor", device="cpu", recipes="bf16")  # bf16 compiles on the CPU
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: refused before any process group work
+    with pytest.raises(ValueError, match="expert parallelism"):
+        make_config("tiny", compile="aot_eager")
+    monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError):
         make_config("tiny", ffn_dim=48)
     with pytest.raises(ValueError):
@@ -156,7 +161,8 @@ def test_config_checks():
     (["--val-every-file", "1"], "val_every_file"),
     (["--experts", "3", "--top-k", "5"], "top_k 5"),
     (["--device", "tpu"], "--device 'tpu'"),
-    (["--compile", "nope"], "compile backend 'nope'"),
+    (["--compile", "nope"], "compile backend 'nope': use one of inductor, aot_eager, eager"),
+    (["--compile", "inductor", "--device", "cpu"], "cannot compile the MX recipes"),
 ])
 def test_cli_rejects_bad_flags_before_training(flags, msg, capsys, tmp_path):
     from mxmoe.cli import main

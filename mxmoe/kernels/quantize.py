@@ -95,7 +95,7 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 # "swiglu" entries by tests/test_qdq_kernels.py::test_gpu_swiglu_qdq_equals_composition).
 _TUNED: dict[str, TileConfig] = {
     "row": TileConfig(32, 256, 4, False),  # 86-96% of copy on every shape (32x512/w8 fell to 61% on 16384x5120)
-    "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%); on sm_90+ the Gluon kernel runs instead
+    "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%); on sm_90 the Gluon kernel runs instead
     # dual (the Triton path: FP32 input, MXMOE_QUANT_GLUON=0). 32x128/w2 timed faster on two shapes but
     # faulted with blocked scales: an LLVM/NVPTX miscompile of its scale index (NOTES_quantize.md, session 5)
     "colrow": TileConfig(64, 64, 2, True),
@@ -118,7 +118,7 @@ _GLUON_COL = dict(MB=8, BK=64, WM=2, WK=4, TM=4)
 def _use_gluon(x3: torch.Tensor, row: bool) -> bool:
     """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_dual_bf16
     with 1x32 blocks; ``row``: with a rowwise output) run the Gluon kernel on x3 [B, M, K]: CUDA
-    sm_90+ (the GPUs it was checked on), unit stride along K, Gluon importable, not disabled by
+    sm_90 (the GPUs it was checked on), unit stride along K, Gluon importable, not disabled by
     MXMOE_QUANT_GLUON=0, and not FP32 input with a rowwise output (4 elements per 16-byte load put a
     1x32 block across 8 lanes; measured 1.0-1.46x the Triton kernel's time, H200 2026-11-30)."""
     if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
@@ -127,7 +127,7 @@ def _use_gluon(x3: torch.Tensor, row: bool) -> bool:
         return False
     if x3.stride(2) != 1 and x3.shape[2] > 1:
         return False
-    if torch.cuda.get_device_capability(x3.device)[0] < 9:
+    if torch.cuda.get_device_capability(x3.device) != (9, 0):  # checked on H200 only (sm_100: Triton)
         return False
     try:
         _gluon()

@@ -1,5 +1,5 @@
 """Gluon kernel of the column-family MXFP8 outputs (the body only; :mod:`mxmoe.kernels.quantize`
-picks it for ``quantize_columnwise``, ``quantize_dual``, ``qdq_dual`` and ``qdq_dual_bf16`` on sm_90+
+picks it for ``quantize_columnwise``, ``quantize_dual``, ``qdq_dual`` and ``qdq_dual_bf16`` on sm_90
 and falls back to the Triton kernels elsewhere).
 
 Same contracts and numerics as :func:`mxmoe.kernels.quantize_triton.mx_quantize_kernel` with
