@@ -480,6 +480,10 @@ def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
         "fp16 3x160x96 batched": wide_randn((3, 160, 96), torch.float16, "cpu", gen).cuda(),
         "fp32 rows strided 256x320 of 256x520": wide[:, :320],
         "bf16 288x33 (odd K, columnwise only)": wide_randn((288, 33), torch.bfloat16, "cpu", gen).cuda(),
+        "bf16 batch slice [::2] of 4x160x96": wide_randn((4, 160, 96), torch.bfloat16, "cpu", gen).cuda()[::2],
+        "bf16 batch stride < row stride (160x3x96 transposed)":
+            wide_randn((160, 3, 96), torch.bfloat16, "cpu", gen).cuda().transpose(0, 1),
+        "fp16 view with a storage offset [1:, 32:]": wide_randn((3, 160, 96), torch.float16, "cpu", gen).cuda()[1:, 32:],
     }
     for tag, x in inputs.items():
         for rule in RULES:
