@@ -15,7 +15,9 @@ reference ``mxmoe.quantize`` on CUDA and torchao's MXFP8 cast if it imports.
 On sm_90 (H100/H200) columnwise and dual run the Gluon kernel; the ``*_triton`` rows time the Triton kernel on
 the same input (``MXMOE_QUANT_GLUON=0``). ``--sweep`` also times a few tile configurations per Triton
 kernel, and of the Gluon kernel's tiles (rows tagged ``sweep``).
-``--ceiling`` times the data movement of the transposing kernels without the quantization: a Triton
+``--qdq`` times the MoE layer's QDQ kernels (``qdq_dual``, ``qdq_dual_bf16`` of BF16 activations; FP32
+weights as the layer holds them, on Triton and forced onto the Gluon kernel with 4 or 8 elements per
+thread). ``--ceiling`` times the data movement of the transposing kernels without the quantization: a Triton
 kernel that stores each BF16 element's high byte transposed (``ceiling_columnwise``), or transposed
 and in place (``ceiling_dual``), best of a few tiles, and torch's transposing cast to E4M3
 (``torch_transpose_cast``): what a kernel of this tile design can reach at best.
@@ -126,6 +128,47 @@ def kernel_config(name: str, key, x: torch.Tensor) -> str:
         g = Q._GLUON_COL
         return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
+
+
+def _forced_gluon(fn, x, vec32: int):
+    """fn(x) on the Gluon kernel even where the dispatch picks Triton (FP32 with a rowwise output),
+    with vec32 FP32 elements per thread per load (quantize._GLUON_FP32_VEC)."""
+    use, vec = Q._use_gluon, Q._GLUON_FP32_VEC
+    Q._use_gluon, Q._GLUON_FP32_VEC = (lambda x3, row: x3.is_cuda), vec32
+    try:
+        return fn(x)
+    finally:
+        Q._use_gluon, Q._GLUON_FP32_VEC = use, vec
+
+
+def qdq_cases(x: torch.Tensor, is_weight: bool):
+    """(kernel name, fn, input) of the MoE layer's QDQ kernels (--qdq): activations BF16; weights as
+    the layer holds them, FP32 master weights (made here, outside the timed call)."""
+    if not is_weight:
+        return [("qdq_dual", lambda: Q.qdq_dual(x), x),
+                ("qdq_dual_triton", lambda: _triton_only(Q.qdq_dual, x), x),
+                ("qdq_dual_bf16", lambda: Q.qdq_dual_bf16(x), x),
+                ("qdq_dual_bf16_triton", lambda: _triton_only(Q.qdq_dual_bf16, x), x)]
+    xf = x.float()
+    return [("weight_qdq_dual_fp32", lambda: Q.qdq_dual(xf), xf),
+            ("weight_qdq_dual_fp32_gluon_vec4", lambda: _forced_gluon(Q.qdq_dual, xf, 4), xf),
+            ("weight_qdq_dual_fp32_gluon_vec8", lambda: _forced_gluon(Q.qdq_dual, xf, 8), xf),
+            ("weight_columnwise_fp32", lambda: Q.quantize_columnwise(xf), xf),
+            ("weight_columnwise_fp32_gluon_vec8", lambda: _forced_gluon(Q.quantize_columnwise, xf, 8), xf),
+            ("weight_columnwise_fp32_triton", lambda: _triton_only(Q.quantize_columnwise, xf), xf)]
+
+
+def qdq_config(name: str, x: torch.Tensor) -> str:
+    """What a --qdq case runs (the dispatch's choice unless the name forces one)."""
+    x3 = x if x.dim() == 3 else x[None]
+    col_only = "columnwise" in name
+    g = Q._GLUON_COL
+    gluon = f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
+    if "_gluon_vec" in name:
+        return gluon + "/vec" + name.rsplit("vec", 1)[1]
+    if not name.endswith("_triton") and Q._use_gluon(x3, row=not col_only):
+        return gluon
+    return cfg_name(Q._TUNED["col"] if col_only else Q._config_qdq(True))
 
 
 def cases(x: torch.Tensor, is_weight: bool):
@@ -318,6 +361,8 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/h200/quantize.json")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-torch reference")
+    ap.add_argument("--qdq", action="store_true",
+                    help="also time the MoE layer's QDQ kernels, FP32 weights included (Gluon vs Triton)")
     ap.add_argument("--ceiling", action="store_true",
                     help="also time the transposing data movement without quantization (see above)")
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
@@ -424,6 +469,13 @@ def main():
                     Q._TUNED[key] = saved
             record(name, shape, total, bench_ms(fn), config="auto " + kernel_config(name, key, x), key=key)
         write_json()  # after every shape, so a run cut short keeps what it measured
+        if args.qdq:
+            for name, fn, inp in qdq_cases(x, is_weight):
+                out = fn()
+                sync()
+                total = nbytes(inp) + nbytes(*[t for t in out if isinstance(t, torch.Tensor)])
+                del out
+                record(name, shape, total, bench_ms(fn), config="auto " + qdq_config(name, inp))
         if args.ceiling:
             cc, bufs = ceiling_cases(x)
             for name, cfg, fn, total in cc:

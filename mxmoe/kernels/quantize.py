@@ -142,6 +142,25 @@ def _gluon():
     return quantize_gluon
 
 
+# Elements per thread per load for FP32 input in the Gluon kernel: 4 (one 16-byte load; measured) or 8
+# (two loads, so a 1x32 row block spans 4 lanes as for BF16; offline-compiled, not yet timed).
+_GLUON_FP32_VEC = 4
+
+
+def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int):
+    """Run quantize_gluon.mx_quantize_cols_kernel on x3 [B, M, K] over [m_cover, k_cover]; row / col
+    are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None)."""
+    B, M, K = x3.shape
+    g = _GLUON_COL
+    n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
+    vec = _GLUON_FP32_VEC if x3.dtype == torch.float32 else 8  # 16-bit: 8 elements = 16 bytes
+    _gluon().mx_quantize_cols_kernel[(n_tiles,)](
+        x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
+        M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
+        0 if sr is None else sr[0].numel(), rceil,
+        ROW=row, COL=col, LAYOUT=layout, VEC=vec, num_warps=g["WM"] * g["WK"], **g)
+
+
 def _config_grouped() -> TileConfig:
     """Launch config of mx_quantize_grouped_kernel ("tile" kind; BM must divide 128)."""
     if _interpreting():
@@ -224,12 +243,7 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
         if col and not tile32 and _use_gluon(x3, row):
-            g = _GLUON_COL
-            n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
-            _gluon().mx_quantize_cols_kernel[(n_tiles,)](
-                x3, qc, sc, qr if row else qc, sr if row else sc, M, K, m_cover, k_cover, x3.stride(0),
-                x3.stride(1), sc[0].numel(), sr[0].numel() if row else 0, rceil,
-                ROW=int(row), COL=1, LAYOUT=layout, VEC=16 // x3.element_size(), num_warps=g["WM"] * g["WK"], **g)
+            _launch_gluon(x3, qc, sc, qr, sr, m_cover, k_cover, rceil, row=int(row), col=1, layout=layout)
             out = [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)] if row else []
             return (*out, finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype))
         total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
@@ -466,14 +480,8 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
     qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev) if col_fp8 else None
     sc = torch.empty(B, K, M // BLOCK, dtype=torch.uint8, device=dev) if col_fp8 else None
     if x3.numel() > 0 and col and not tile32 and not (col_bf16 and col_fp8) and _use_gluon(x3, row_bf16):
-        g = _GLUON_COL
-        n_tiles = B * triton_cdiv(M, 32 * g["MB"]) * triton_cdiv(K, g["BK"])
-        qc_out = bc if col_bf16 else qc
-        _gluon().mx_quantize_cols_kernel[(n_tiles,)](
-            x3, qc_out, sc if col_fp8 else qc_out, br if row_bf16 else qc_out, qc_out, M, K, M, K,
-            x3.stride(0), x3.stride(1), K * (M // BLOCK), 0, rceil,
-            ROW=2 if row_bf16 else 0, COL=2 if col_bf16 else 1, LAYOUT=0, VEC=16 // x3.element_size(),
-            num_warps=g["WM"] * g["WK"], **g)
+        _launch_gluon(x3, bc if col_bf16 else qc, sc, br, None, M, K, rceil, row=2 if row_bf16 else 0,
+                      col=2 if col_bf16 else 1, layout=0)
     elif x3.numel() > 0:
         BM, BK, num_warps, persistent = _config_qdq(col)
         total = triton_cdiv(M, BM) * triton_cdiv(K, BK) * B
