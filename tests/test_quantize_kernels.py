@@ -386,6 +386,59 @@ def test_import_does_not_need_triton():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_gluon_launch_contract(monkeypatch):
+    """What the sm_90 dispatch hands the Gluon column kernel (recorded, not run: CPU): the output
+    buffers it returns, their shapes and dtypes, the covered extent, the modes and scale strides."""
+    from types import SimpleNamespace
+
+    from mxmoe.kernels import quantize as Q
+    from mxmoe.layouts import blocked_numel
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(Q, "_interpreting", lambda: True)  # CPU tensors pass _check
+    monkeypatch.setattr(Q, "_use_gluon", lambda x3, row: True)
+    monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
+
+    def launch(fn, x, *a):
+        calls.clear()
+        out = fn(x, "rceil", *a)
+        assert len(calls) == 1, f"{fn.__name__}: {len(calls)} launches"
+        grid, args, kw = calls[0]
+        x3, qc, sc, qr, sr, M, K, m_cover, k_cover, sxb, sxm, sc_b, sr_b, rceil = args
+        assert x3.data_ptr() == x.data_ptr() and (M, K) == tuple(x.shape[-2:]) and (sxb, sxm) == tuple(x3.stride()[:2])
+        assert rceil == 1 and kw["VEC"] == (4 if x.dtype == torch.float32 else 8)
+        g = Q._GLUON_COL
+        assert grid == (x3.shape[0] * -(-m_cover // (32 * g["MB"])) * -(-k_cover // g["BK"]),)
+        return out, (qc, sc, qr, sr, m_cover, k_cover, sc_b, sr_b), kw
+
+    x = torch.randn(3, 96, 200, dtype=torch.bfloat16)  # K = 200: not a multiple of the tile
+    (dt, st), (qc, sc, _, _, mc, kc, sc_b, _), kw = launch(Q.quantize_columnwise, x, "blocked")
+    assert (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (0, 1, 1) and (mc, kc) == (128, 256)  # blocked: cover 128
+    assert dt.data_ptr() == qc.data_ptr() and dt.shape == (3, 200, 96) and dt.dtype == torch.float8_e4m3fn
+    assert st.data_ptr() == sc.data_ptr() and sc_b == st[0].numel() == blocked_numel(200, 3)
+
+    x = torch.randn(64, 96, dtype=torch.float32)
+    (d, s_, dt, st), (qc, sc, qr, sr, mc, kc, sc_b, sr_b), kw = launch(Q.quantize_dual, x, "sm90")
+    assert (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (1, 1, 2) and (mc, kc) == (64, 96)
+    assert d.data_ptr() == qr.data_ptr() and d.shape == (64, 96) and s_.data_ptr() == sr.data_ptr()
+    assert dt.data_ptr() == qc.data_ptr() and dt.shape == (96, 64) and st.data_ptr() == sc.data_ptr()
+    assert st.dtype == s_.dtype == torch.float32 and (sc_b, sr_b) == (st.numel(), s_.numel())
+
+    x = torch.randn(64, 96, dtype=torch.bfloat16)
+    (xb, dt, st), (qc, sc, qr, _, mc, kc, sc_b, _), kw = launch(Q.qdq_dual, x)
+    assert (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (2, 1, 0) and (mc, kc) == (64, 96)
+    assert xb.data_ptr() == qr.data_ptr() and xb.dtype == torch.bfloat16 and xb.shape == (64, 96)
+    assert dt.data_ptr() == qc.data_ptr() and st.data_ptr() == sc.data_ptr() and sc_b == 96 * 2
+    (xb, xbt), (qc, _, qr, _, _, _, _, _), kw = launch(Q.qdq_dual_bf16, x)
+    assert (kw["ROW"], kw["COL"]) == (2, 2) and xbt.data_ptr() == qc.data_ptr() and xbt.shape == (96, 64)
+    assert qc.dtype == torch.bfloat16 and xb.data_ptr() == qr.data_ptr()
+
+
 def test_input_errors():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("CPU tensors are accepted by the interpreter")
