@@ -28,7 +28,10 @@ Scale layouts (``scale_layout``), for a row-major scale matrix ``[rows, cols]`` 
 Exactness: data and scales equal :func:`mxmoe.formats.quantize` byte for byte (both scale rules,
 zero / subnormal / NaN / Inf blocks); the tests check it under ``TRITON_INTERPRET=1`` on CPU and
 on the GPU. The kernels are in :mod:`mxmoe.kernels.quantize_triton` (imported on first use, so
-``import mxmoe`` works without triton); tile choices are the ``_config_*`` functions below.
+``import mxmoe`` works without triton) and, for the outputs along M on sm_90 (columnwise, dual and
+their QDQ forms), :mod:`mxmoe.kernels.quantize_gluon` (``_use_gluon`` says when;
+``MXMOE_QUANT_GLUON=0`` keeps Triton); tile choices are the ``_config_*`` functions and
+``_GLUON_COL`` below.
 
 Wrap results as :class:`~mxmoe.formats.MXTensor` with :func:`rowwise_mxtensor` /
 :func:`columnwise_mxtensor` (row-major scales only).
