@@ -121,12 +121,17 @@ def _triton_only(fn, x):
             os.environ["MXMOE_QUANT_GLUON"] = before
 
 
+def gluon_name() -> str:
+    """The Gluon column kernel's current tile (quantize._GLUON_COL) as a config label."""
+    g = Q._GLUON_COL
+    return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
+
+
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
     """What a case runs: the Gluon columnwise/dual kernel's tile, or the Triton kernel's TileConfig."""
     x3 = x if x.dim() == 3 else x[None]
     if key in ("col", "colrow") and not name.endswith("_triton") and Q._use_gluon(x3, row=key == "colrow"):
-        g = Q._GLUON_COL
-        return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
+        return gluon_name()
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
 
 
@@ -162,12 +167,10 @@ def qdq_config(name: str, x: torch.Tensor) -> str:
     """What a --qdq case runs (the dispatch's choice unless the name forces one)."""
     x3 = x if x.dim() == 3 else x[None]
     col_only = "columnwise" in name
-    g = Q._GLUON_COL
-    gluon = f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
     if "_gluon_vec" in name:
-        return gluon + "/vec" + name.rsplit("vec", 1)[1]
+        return gluon_name() + "/vec" + name.rsplit("vec", 1)[1]
     if not name.endswith("_triton") and Q._use_gluon(x3, row=not col_only):
-        return gluon
+        return gluon_name()
     return cfg_name(Q._TUNED["col"] if col_only else Q._config_qdq(True))
 
 
@@ -252,19 +255,26 @@ def cfg_name(cfg) -> str:
     return f"{cfg.BM}x{cfg.BK}/w{cfg.num_warps}/{'persistent' if cfg.persistent else 'grid'}"
 
 
+def geomean_scores(rows, group, keep) -> dict:
+    """{group(r): {config: geometric-mean ratio}} over the "sweep"/"auto" rows with keep(r), counting
+    only configs timed on every shape of their group (the default config is timed once, as "auto")."""
+    import math
+
+    ratios: dict = {}
+    for r in rows:
+        if keep(r) and r["config"].startswith(("sweep ", "auto ")):
+            ratios.setdefault(group(r), {}).setdefault(r["config"].split(" ", 1)[1], []).append(r["ratio"])
+    out = {}
+    for g, by_cfg in ratios.items():
+        n = max(len(v) for v in by_cfg.values())
+        out[g] = {c: math.exp(sum(map(math.log, v)) / n) for c, v in by_cfg.items() if len(v) == n}
+    return out
+
+
 def select_best(rows) -> dict:
     """Per kernel family: the swept config with the best geometric-mean ratio over all its rows."""
-    import math
-    from collections import defaultdict
-
-    ratios = defaultdict(lambda: defaultdict(list))
-    for r in rows:  # the default config is timed once, as "auto"
-        if r["kernel"] in SWEPT and r["config"].startswith(("sweep ", "auto ")):
-            ratios[r["key"]][r["config"].split(" ", 1)[1]].append(r["ratio"])
     best = {}
-    for key, by_cfg in ratios.items():
-        n = max(len(v) for v in by_cfg.values())
-        score = {c: math.exp(sum(map(math.log, v)) / len(v)) for c, v in by_cfg.items() if len(v) == n}
+    for key, score in geomean_scores(rows, lambda r: r["key"], lambda r: r["kernel"] in SWEPT).items():
         name = max(score, key=score.get)
         best[key] = next(c for c in SWEEP.get(key, []) + [Q._TUNED.get(key) or _default_cfg(key)] if cfg_name(c) == name)
     return best
@@ -532,17 +542,10 @@ def main():
         for r in ceil.values():
             print(f"{r['kernel']:24s} {r['shape']:>16s} {r['tbps']:7.3f} {r['copy_tbps']:7.3f} {100 * r['ratio']:6.1f}%"
                   f"  {r['config']}")
-    gluon = {}  # kernel -> config -> ratios over the shapes (the Gluon tile sweep)
-    for r in rows:
-        if "gluon" in r["config"] and r["config"].startswith(("sweep ", "auto ")):
-            gluon.setdefault(r["kernel"], {}).setdefault(r["config"].split(" ", 1)[1], []).append(r["ratio"])
+    gluon = geomean_scores(rows, lambda r: r["kernel"], lambda r: "gluon" in r["config"])  # the Gluon tile sweep
     if any(len(v) > 1 for v in gluon.values()):
-        import math
-
         print("\nGluon tiles (geometric mean of % of copy over the shapes):")
-        for kernel, by_cfg in gluon.items():
-            n = max(len(v) for v in by_cfg.values())
-            score = {c: math.exp(sum(map(math.log, v)) / n) for c, v in by_cfg.items() if len(v) == n}
+        for kernel, score in gluon.items():
             for c in sorted(score, key=score.get, reverse=True):
                 print(f"{kernel:24s} {c:28s} {100 * score[c]:5.1f}%")
     if best:
