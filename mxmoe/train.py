@@ -346,8 +346,6 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         model = parallel.convert_to_expert_parallel(model, ep.group)  # this rank's experts of every MoE
         parallel.sync_replicated_parameters(model, ep.group)
     model.to(device).train()
-    if cfg.compile and ep.group is not None:
-        raise ValueError("compile is not supported with expert parallelism (torchrun): run eager there")
     step_fn = torch.compile(model, backend=cfg.compile) if cfg.compile else model  # same parameters
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
