@@ -47,6 +47,16 @@ def _expand_bf16(q, byte):
 
 
 @gluon.jit
+def _tile_index(tm, tk, MB: gl.constexpr, BK: gl.constexpr, L: gl.constexpr):
+    """Global rows m [MB, 32, 1] and columns k [1, 1, BK] of tile (tm, tk), in the 3D layout L."""
+    i0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    i1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    i2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    m = tm * MB * 32 + gl.expand_dims(gl.expand_dims(i0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(i1, 0), 2)
+    return m, tk * BK + gl.expand_dims(gl.expand_dims(i2, 0), 1)
+
+
+@gluon.jit
 def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: gl.constexpr, LAYOUT: gl.constexpr,
              MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, L_IN: gl.constexpr):
     """The rowwise half, on the tile x [MB, 32, BK] as loaded (L_IN, global indices m [MB, 32, 1],
@@ -89,7 +99,7 @@ def mx_quantize_cols_kernel(
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, then k-tiles, then b); WM*WK warps.
 
-    L_IN: VEC elements (16 bytes) per thread along K, BK/VEC lanes along K, warps [WM, WK] over
+    L_IN: VEC elements per thread along K (16 bytes for 16-bit input), BK/VEC lanes along K, warps [WM, WK] over
     (block, row). L_COL: 32 rows of one block per thread, TM lanes over blocks and 32/TM over
     columns, warps [WM, WK] over (block, column); needs MB % (TM*WM) == 0 and BK % (32/TM*WK) == 0.
     Outputs, by mode (1: E4M3 data + E8M0 scales, 2: BF16 MX values, i.e. quantize then expand):
@@ -109,11 +119,7 @@ def mx_quantize_cols_kernel(
     b = (pid // n_m // n_k).to(gl.int64)
 
     # load [MB, 32, BK] in L_IN (zeros past M, K: the padding of blocked scales)
-    i0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_IN)))
-    i1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_IN)))
-    i2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_IN)))
-    m = tm * BM + gl.expand_dims(gl.expand_dims(i0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(i1, 0), 2)
-    k = tk * BK + gl.expand_dims(gl.expand_dims(i2, 0), 1)
+    m, k = _tile_index(tm, tk, MB, BK, L_IN)
     x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
 
     if ROW != 0:
@@ -124,11 +130,7 @@ def mx_quantize_cols_kernel(
     byte = _e8m0_from_amax_bits(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), rceil)  # [MB, BK]
     q = _quantize_elems(xf, gl.expand_dims(byte, 1), False)
 
-    c0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_COL)))
-    c1 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_COL)))
-    c2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_COL)))
-    mc = tm * BM + gl.expand_dims(gl.expand_dims(c0 * 32, 1), 2) + gl.expand_dims(gl.expand_dims(c1, 0), 2)
-    kc = tk * BK + gl.expand_dims(gl.expand_dims(c2, 0), 1)
+    mc, kc = _tile_index(tm, tk, MB, BK, L_COL)
     if COL == 2:
         v = _expand_bf16(q, gl.expand_dims(byte, 1))
         gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, v, mask=(mc < M) & (kc < K))
