@@ -57,9 +57,9 @@ SWEEP = {  # _TUNED key -> candidate TileConfigs of mx_quantize_kernel
     "grouped": [T(32, 256, 4, P), T(32, 512, 8, P), T(32, 256, 4, NP)],
 }
 
-# Gluon column-family kernel (quantize._GLUON_COL): (MB, BK, WM, WK, TM), see quantize_gluon.py
-GLUON_SWEEP = [(8, 64, 2, 4, 4), (4, 64, 1, 4, 4), (8, 64, 1, 4, 8), (8, 64, 2, 2, 4), (4, 128, 1, 4, 4),
-               (16, 64, 4, 2, 4), (8, 128, 2, 4, 4), (4, 64, 4, 1, 1)]
+# Gluon column-family kernel (quantize._GLUON_TILES): (MB, BK, WM, WK, TM), see quantize_gluon.py
+GLUON_SWEEP = [(8, 64, 1, 4, 8), (4, 128, 1, 8, 4), (8, 64, 2, 4, 4), (4, 128, 1, 4, 4), (8, 64, 1, 8, 8),
+               (4, 64, 1, 4, 4), (8, 32, 1, 4, 8), (16, 64, 4, 2, 4), (4, 64, 4, 1, 1)]
 
 DEV = "cuda"
 
@@ -121,29 +121,19 @@ def _triton_only(fn, x):
             os.environ["MXMOE_QUANT_GLUON"] = before
 
 
-def gluon_name() -> str:
-    """The Gluon column kernel's current tile (quantize._GLUON_COL) as a config label."""
-    g = Q._GLUON_COL
+def gluon_name(row: bool) -> str:
+    """The Gluon column kernel's current tile (quantize._GLUON_TILES; ``row``: with a rowwise output)
+    as a config label."""
+    g = Q._GLUON_TILES["dual" if row else "col"]
     return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
 
 
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
     """What a case runs: the Gluon columnwise/dual kernel's tile, or the Triton kernel's TileConfig."""
     x3 = x if x.dim() == 3 else x[None]
-    if key in ("col", "colrow") and not name.endswith("_triton") and Q._use_gluon(x3, row=key == "colrow"):
-        return gluon_name()
+    if key in ("col", "colrow") and not name.endswith("_triton") and Q._use_gluon(x3):
+        return gluon_name(key == "colrow")
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
-
-
-def _forced_gluon(fn, x, vec32: int):
-    """fn(x) on the Gluon kernel even where the dispatch picks Triton (FP32 with a rowwise output),
-    with vec32 FP32 elements per thread per load (quantize._GLUON_FP32_VEC)."""
-    use, vec = Q._use_gluon, Q._GLUON_FP32_VEC
-    Q._use_gluon, Q._GLUON_FP32_VEC = (lambda x3, row: x3.is_cuda), vec32
-    try:
-        return fn(x)
-    finally:
-        Q._use_gluon, Q._GLUON_FP32_VEC = use, vec
 
 
 def qdq_cases(x: torch.Tensor, is_weight: bool):
@@ -156,10 +146,8 @@ def qdq_cases(x: torch.Tensor, is_weight: bool):
                 ("qdq_dual_bf16_triton", lambda: _triton_only(Q.qdq_dual_bf16, x), x)]
     xf = x.float()
     return [("weight_qdq_dual_fp32", lambda: Q.qdq_dual(xf), xf),
-            ("weight_qdq_dual_fp32_gluon_vec4", lambda: _forced_gluon(Q.qdq_dual, xf, 4), xf),
-            ("weight_qdq_dual_fp32_gluon_vec8", lambda: _forced_gluon(Q.qdq_dual, xf, 8), xf),
+            ("weight_qdq_dual_fp32_triton", lambda: _triton_only(Q.qdq_dual, xf), xf),
             ("weight_columnwise_fp32", lambda: Q.quantize_columnwise(xf), xf),
-            ("weight_columnwise_fp32_gluon_vec8", lambda: _forced_gluon(Q.quantize_columnwise, xf, 8), xf),
             ("weight_columnwise_fp32_triton", lambda: _triton_only(Q.quantize_columnwise, xf), xf)]
 
 
@@ -167,10 +155,8 @@ def qdq_config(name: str, x: torch.Tensor) -> str:
     """What a --qdq case runs (the dispatch's choice unless the name forces one)."""
     x3 = x if x.dim() == 3 else x[None]
     col_only = "columnwise" in name
-    if "_gluon_vec" in name:
-        return gluon_name() + "/vec" + name.rsplit("vec", 1)[1]
-    if not name.endswith("_triton") and Q._use_gluon(x3, row=not col_only):
-        return gluon_name()
+    if not name.endswith("_triton") and Q._use_gluon(x3):
+        return gluon_name(not col_only)
     return cfg_name(Q._TUNED["col"] if col_only else Q._config_qdq(True))
 
 
@@ -445,10 +431,11 @@ def main():
             del out
             if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both") \
                     and kernel_config(name, key, x).startswith("gluon"):
-                saved = dict(Q._GLUON_COL)
+                tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual"]
+                saved = dict(tile)
                 for MB, BK, WM, WK, TM in GLUON_SWEEP:
-                    Q._GLUON_COL.update(MB=MB, BK=BK, WM=WM, WK=WK, TM=TM)
-                    if Q._GLUON_COL == saved:
+                    tile.update(MB=MB, BK=BK, WM=WM, WK=WK, TM=TM)
+                    if tile == saved:
                         continue  # timed below as "auto"
                     try:
                         out = fn()
@@ -458,7 +445,7 @@ def main():
                         record(name, shape, total, bench_ms(fn), config="sweep " + kernel_config(name, key, x))
                     except Exception as e:  # noqa: BLE001
                         print(f"sweep {name} gluon {MB, BK, WM, WK, TM}: {type(e).__name__}: {e}", flush=True)
-                Q._GLUON_COL.update(saved)
+                tile.update(saved)
             if args.sweep and key is not None and name in SWEPT:
                 saved = Q._TUNED.get(key)
                 for cfg in SWEEP[key]:

@@ -401,7 +401,7 @@ def test_gluon_launch_contract(monkeypatch):
             return lambda *args, **kw: calls.append((grid, args, kw))
 
     monkeypatch.setattr(Q, "_interpreting", lambda: True)  # CPU tensors pass _check
-    monkeypatch.setattr(Q, "_use_gluon", lambda x3, row: True)
+    monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
     monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
 
     def launch(fn, x, *a):
@@ -411,8 +411,9 @@ def test_gluon_launch_contract(monkeypatch):
         grid, args, kw = calls[0]
         x3, qc, sc, qr, sr, M, K, m_cover, k_cover, sxb, sxm, sc_b, sr_b, rceil = args
         assert x3.data_ptr() == x.data_ptr() and (M, K) == tuple(x.shape[-2:]) and (sxb, sxm) == tuple(x3.stride()[:2])
-        assert rceil == 1 and kw["VEC"] == (4 if x.dtype == torch.float32 else 8)
-        g = Q._GLUON_COL
+        assert rceil == 1 and kw["VEC"] == (Q._GLUON_FP32_VEC if x.dtype == torch.float32 else 8)
+        g = Q._GLUON_TILES["dual" if kw["ROW"] else "col"]
+        assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
         assert grid == (x3.shape[0] * -(-m_cover // (32 * g["MB"])) * -(-k_cover // g["BK"]),)
         return out, (qc, sc, qr, sr, m_cover, k_cover, sc_b, sr_b), kw
 
@@ -523,7 +524,7 @@ def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
 
     gen = torch.Generator().manual_seed(5)
     big = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), 0).cuda()
-    if not Q._use_gluon(big[None], row=False):
+    if not Q._use_gluon(big[None]):
         pytest.skip("the Gluon kernel is not used on this GPU")
     wide = wide_randn((256, 520), torch.float32, "cpu", gen).cuda()
     inputs = {

@@ -31,7 +31,7 @@ on the GPU. The kernels are in :mod:`mxmoe.kernels.quantize_triton` (imported on
 ``import mxmoe`` works without triton) and, for the outputs along M on sm_90 (columnwise, dual and
 their QDQ forms), :mod:`mxmoe.kernels.quantize_gluon` (``_use_gluon`` says when;
 ``MXMOE_QUANT_GLUON=0`` keeps Triton); tile choices are the ``_config_*`` functions and
-``_GLUON_COL`` below.
+``_GLUON_TILES`` below.
 
 Wrap results as :class:`~mxmoe.formats.MXTensor` with :func:`rowwise_mxtensor` /
 :func:`columnwise_mxtensor` (row-major scales only).
@@ -103,7 +103,8 @@ _TUNED: dict[str, TileConfig] = {
     # faulted with blocked scales: an LLVM/NVPTX miscompile of its scale index (NOTES_quantize.md, session 5)
     "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
-    "grouped": TileConfig(32, 256, 4, False),
+    # grouped: 89-94% of copy (session 6 sweep, once the wrapper's torch ops were gone; 32x256/w4/grid 89-92%)
+    "grouped": TileConfig(32, 512, 8, True),
     # fused SwiGLU + QDQ (results/h200/swiglu_qdq_configs.txt): 32x64/w2 2.57-2.64 TB/s vs 2.16-2.26 at the
     # dual QDQ tile 64x64/w2, which spills (632 B/thread offline); with save_h 32x128/w4 2.06-2.08 TB/s
     # (64x64/w2: 0.70-0.77, 3 KB of spills)
@@ -113,20 +114,17 @@ _TUNED: dict[str, TileConfig] = {
 
 
 # Gluon column-family kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
-# in the column layout. H200 2026-11-30 (NOTES_quantize.md, session 5): columnwise 82-88% of copy, dual
-# 50-80% (Triton: 68-70%, 48-57%); in a standalone sweep this tile beat 11 others (TM 1: 42-48%).
-_GLUON_COL = dict(MB=8, BK=64, WM=2, WK=4, TM=4)
+# in the column layout; one tile for the column output alone ("col") and one with the rowwise output
+# too ("dual"). H200 2026-11-30, two sweeps of 10-11 tiles (NOTES_quantize.md, session 6), % of copy:
+# "col" 86-92% (TM 4: 81-88%, TM 1: 47-57%; Triton 68-70%); "dual" 61-78% (the old 256x64/w8/tm4:
+# 54-72%). A persistent grid with a register prefetch of the next tile was slower for every tile.
+_GLUON_TILES = {"col": dict(MB=8, BK=64, WM=1, WK=4, TM=8), "dual": dict(MB=4, BK=128, WM=1, WK=8, TM=4)}
 
-
-def _use_gluon(x3: torch.Tensor, row: bool) -> bool:
+def _use_gluon(x3: torch.Tensor) -> bool:
     """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_dual_bf16
-    with 1x32 blocks; ``row``: with a rowwise output) run the Gluon kernel on x3 [B, M, K]: CUDA
-    sm_90 (the GPUs it was checked on), unit stride along K, Gluon importable, not disabled by
-    MXMOE_QUANT_GLUON=0, and not FP32 input with a rowwise output (4 elements per 16-byte load put a
-    1x32 block across 8 lanes; measured 1.0-1.46x the Triton kernel's time, H200 2026-11-30)."""
+    with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90 (the GPUs it was checked on), unit stride along K, Gluon
+    importable, not disabled by MXMOE_QUANT_GLUON=0."""
     if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
-        return False
-    if row and x3.dtype == torch.float32:
         return False
     if x3.stride(2) != 1 and x3.shape[2] > 1:
         return False
@@ -145,16 +143,17 @@ def _gluon():
     return quantize_gluon
 
 
-# Elements per thread per load for FP32 input in the Gluon kernel: 4 (one 16-byte load; measured) or 8
-# (two loads, so a 1x32 row block spans 4 lanes as for BF16; offline-compiled, not yet timed).
-_GLUON_FP32_VEC = 4
+# Elements per thread per load for FP32 input in the Gluon kernel: 8 (two 16-byte loads, so a 1x32 row
+# block spans 4 lanes as for BF16). H200 2026-11-30, FP32 weights, % of copy: qdq_dual 88.8 / 94.2% (4: 84.3
+# / 87.2%; the Triton kernel the layer used before: 77.9 / 86.1%), columnwise 97.9 / 97.7% (4: 96.7 / 96.4%).
+_GLUON_FP32_VEC = 8
 
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int):
     """Run quantize_gluon.mx_quantize_cols_kernel on x3 [B, M, K] over [m_cover, k_cover]; row / col
     are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None)."""
     B, M, K = x3.shape
-    g = _GLUON_COL
+    g = _GLUON_TILES["dual" if row else "col"]
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
     vec = _GLUON_FP32_VEC if x3.dtype == torch.float32 else 8  # 16-bit: 8 elements = 16 bytes
     _gluon().mx_quantize_cols_kernel[(n_tiles,)](
@@ -245,7 +244,7 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        if col and not tile32 and _use_gluon(x3, row):
+        if col and not tile32 and _use_gluon(x3):
             _launch_gluon(x3, qc, sc, qr, sr, m_cover, k_cover, rceil, row=int(row), col=1, layout=layout)
             out = [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)] if row else []
             return (*out, finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype))
@@ -407,24 +406,24 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
         raise ValueError(f"offs is on {offs.device}, x on {x.device}")
     M, K = x.shape
     E = offs.numel()
-    blocked_offs = blocked_group_offsets(offs)
-    if padded_rows is None:
-        padded_rows = int(blocked_offs[-1]) if E > 0 else 0
+    if padded_rows is None:  # the one host sync
+        padded_rows = int(blocked_group_offsets(offs)[-1]) if E > 0 else 0
     if padded_rows % 128:
         raise ValueError(f"padded_rows must be a multiple of 128, got {padded_rows}")
     cols = K // BLOCK
     data = torch.empty(M, K, dtype=torch.uint8, device=x.device)
     scale = torch.empty(padded_rows * triton_cdiv(cols, 4) * 4, dtype=torch.uint8, device=x.device)
     n_tiles = max(triton_cdiv(M, 128) + E, padded_rows // 128)
-    if n_tiles > 0 and K > 0:
-        BM, BK, num_warps, persistent = _config_grouped()
-        n_row_tiles = n_tiles * (128 // BM)
-        total = n_row_tiles * triton_cdiv(triton_cdiv(K, 128) * 128, BK)
-        EP = max(16, 1 << max(E - 1, 0).bit_length())
-        args = (x, data, scale, offs, M, K, x.stride(0), x.stride(1), E, n_row_tiles, padded_rows, rceil)
-        kwargs = dict(EP=EP, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
-        kernel = _kernels().mx_quantize_grouped_kernel
-        _launch_tiles(kernel, args, kwargs, total, persistent, x.device)
+    if n_tiles == 0 or K == 0:
+        return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_group_offsets(offs)
+    blocked_offs = torch.empty(E, dtype=torch.int32, device=x.device)  # written by the kernel
+    BM, BK, num_warps, persistent = _config_grouped()
+    n_row_tiles = n_tiles * (128 // BM)
+    total = n_row_tiles * triton_cdiv(triton_cdiv(K, 128) * 128, BK)
+    EP = max(16, 1 << max(E - 1, 0).bit_length())
+    args = (x, data, scale, offs, blocked_offs, M, K, x.stride(0), x.stride(1), E, n_row_tiles, padded_rows, rceil)
+    kwargs = dict(EP=EP, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+    _launch_tiles(_kernels().mx_quantize_grouped_kernel, args, kwargs, total, persistent, x.device)
     return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_offs
 
 
@@ -482,7 +481,7 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
     bc = torch.empty(B, K, M, dtype=torch.bfloat16, device=dev) if col_bf16 else None
     qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev) if col_fp8 else None
     sc = torch.empty(B, K, M // BLOCK, dtype=torch.uint8, device=dev) if col_fp8 else None
-    if x3.numel() > 0 and col and not tile32 and not (col_bf16 and col_fp8) and _use_gluon(x3, row_bf16):
+    if x3.numel() > 0 and col and not tile32 and not (col_bf16 and col_fp8) and _use_gluon(x3):
         _launch_gluon(x3, bc if col_bf16 else qc, sc, br, None, M, K, rceil, row=2 if row_bf16 else 0,
                       col=2 if col_bf16 else 1, layout=0)
     elif x3.numel() > 0:

@@ -288,7 +288,7 @@ def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, n_gr
 
 @triton.jit(do_not_specialize=["rceil"])
 def mx_quantize_grouped_kernel(
-    x_ptr, q_ptr, s_ptr, offs_ptr,
+    x_ptr, q_ptr, s_ptr, offs_ptr, bo_ptr,
     M, K, stride_xm, stride_xk,
     n_groups, n_row_tiles, padded_rows, rceil,
     EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
@@ -302,7 +302,8 @@ def mx_quantize_grouped_kernel(
     for the padding rows. Tiles past the last group's padded rows quantize the tail rows
     [offs[-1], M) (data only; their scale rows, up to padded_rows, are zeros).
     n_row_tiles = max(cdiv(M,128) + n_groups, padded_rows/128) * 128/BM row tiles cover everything.
-    Persistent with a one-tile prefetch, like mx_quantize_kernel.
+    Program 0 also writes the padded end offsets bo [n_groups] (int32, layouts.blocked_group_offsets),
+    so the launch needs no torch ops around it. Persistent with a one-tile prefetch, like mx_quantize_kernel.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -313,6 +314,7 @@ def mx_quantize_grouped_kernel(
     starts = tl.load(offs_ptr + g - 1, mask=gmask & (g > 0), other=0)
     tiles = tl.where(gmask, (ends - starts + 127) // 128, 0)
     pad_end = tl.cumsum(tiles, 0) * 128
+    tl.store(bo_ptr + g, pad_end, mask=gmask & (pid == 0))
     n_k = tl.cdiv(tl.cdiv(K, 128) * 128, BK)
     total = n_row_tiles * n_k
     n_col_tiles = (K // 32 + 3) // 4
