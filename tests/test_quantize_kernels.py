@@ -170,8 +170,13 @@ def check_32x32(Q, x, rule, layout, tag):
     same_bytes(st, want_st, f"{tag} 32x32 transposed {layout} scale")
 
 
-def check_grouped(Q, x, offs_list, rule, tag, extra_rows=0):
+def check_grouped(Q, x, offs_list, rule, tag, extra_rows=0, offs_stride=1):
     offs = torch.tensor(offs_list, dtype=torch.int32)
+    if offs_stride > 1:  # a strided view of the same values (junk between them)
+        offs = torch.full((len(offs_list), offs_stride), -7, dtype=torch.int32).index_fill_(1, torch.tensor([0]), 0)
+        offs[:, 0] = torch.tensor(offs_list, dtype=torch.int32)
+        offs = offs.reshape(-1)[::offs_stride]
+        assert not offs.is_contiguous() or len(offs_list) < 2
     ref = quantize(_ref_input(x), axis=-1, scale_rule=rule)
     want_scale, want_offs = to_blocked_grouped(ref.scale, offs)
     padded = None
@@ -263,6 +268,7 @@ def _case_noncontiguous(Q, dev, gen):
     check_dual(Q, xs, "rceil", "row_major", "strided input")
     check_32x32(Q, xs, "rceil", "row_major", "strided input")
     check_grouped(Q, base[:, 64:160], [40, 96], "rceil", "column slice")
+    check_grouped(Q, base[:, 64:160], [40, 40, 96], "rceil", "strided offsets", offs_stride=2)
 
 
 def _case_wide_k_scale_cols(Q, dev, gen):

@@ -103,7 +103,8 @@ _TUNED: dict[str, TileConfig] = {
     # faulted with blocked scales: an LLVM/NVPTX miscompile of its scale index (NOTES_quantize.md, session 5)
     "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
-    # grouped: 89-94% of copy (session 6 sweep, once the wrapper's torch ops were gone; 32x256/w4/grid 89-92%)
+    # grouped: 92-94% of copy (session 6 sweep and quantize.json, once the wrapper's torch ops were gone;
+    # 32x256/w4/grid: 89-92%)
     "grouped": TileConfig(32, 512, 8, True),
     # fused SwiGLU + QDQ (results/h200/swiglu_qdq_configs.txt): 32x64/w2 2.57-2.64 TB/s vs 2.16-2.26 at the
     # dual QDQ tile 64x64/w2, which spills (632 B/thread offline); with save_h 32x128/w4 2.06-2.08 TB/s
@@ -115,15 +116,18 @@ _TUNED: dict[str, TileConfig] = {
 
 # Gluon column-family kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
 # in the column layout; one tile for the column output alone ("col") and one with the rowwise output
-# too ("dual"). H200 2026-11-30, two sweeps of 10-11 tiles (NOTES_quantize.md, session 6), % of copy:
-# "col" 86-92% (TM 4: 81-88%, TM 1: 47-57%; Triton 68-70%); "dual" 61-78% (the old 256x64/w8/tm4:
-# 54-72%). A persistent grid with a register prefetch of the next tile was slower for every tile.
+# too ("dual"), from two sweeps of 10-11 tiles on an H200, 2026-11-30 (NOTES_quantize.md, session 6).
+# % of copy per shape: "col" 86-92% (TM 4: 81-88%, TM 1: 47-57%; Triton 67-70%); "dual" 61-73% on
+# activations, 70-85% on weights (the old 256x64/w8/tm4: 48-68%, 64-80%). On the two large activation
+# shapes a persistent grid with a register prefetch of the next tile was no faster for columnwise and
+# 4-36 points slower for dual.
 _GLUON_TILES = {"col": dict(MB=8, BK=64, WM=1, WK=4, TM=8), "dual": dict(MB=4, BK=128, WM=1, WK=8, TM=4)}
+
 
 def _use_gluon(x3: torch.Tensor) -> bool:
     """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_dual_bf16
-    with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90 (the GPUs it was checked on), unit stride along K, Gluon
-    importable, not disabled by MXMOE_QUANT_GLUON=0."""
+    with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90 (the GPUs it was checked on),
+    unit stride along K, Gluon importable, not disabled by MXMOE_QUANT_GLUON=0."""
     if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
         return False
     if x3.stride(2) != 1 and x3.shape[2] > 1:
@@ -144,8 +148,9 @@ def _gluon():
 
 
 # Elements per thread per load for FP32 input in the Gluon kernel: 8 (two 16-byte loads, so a 1x32 row
-# block spans 4 lanes as for BF16). H200 2026-11-30, FP32 weights, % of copy: qdq_dual 88.8 / 94.2% (4: 84.3
-# / 87.2%; the Triton kernel the layer used before: 77.9 / 86.1%), columnwise 97.9 / 97.7% (4: 96.7 / 96.4%).
+# block spans 4 lanes as for BF16). FP32 weights 8x28672x4096 / 128x1536x2048, % of copy, one H200 run
+# (results/h200/quantize_fp32_vec_trial_s6.json): qdq_dual 88.8 / 94.2% (4: 84.3 / 87.2%; the Triton kernel
+# the layer used before: 77.9 / 86.1%), columnwise 97.9 / 97.7% (4: 96.7 / 96.4%).
 _GLUON_FP32_VEC = 8
 
 
@@ -404,6 +409,7 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
         raise ValueError(f"quantize_grouped_rowwise expects a 2D [M, K] tensor, got shape {tuple(x.shape)}")
     if offs.device != x.device:
         raise ValueError(f"offs is on {offs.device}, x on {x.device}")
+    offs = offs.contiguous()  # the kernel reads offs[g] at offs_ptr + g
     M, K = x.shape
     E = offs.numel()
     if padded_rows is None:  # the one host sync

@@ -495,13 +495,15 @@ def _check_scale(name: str, s: torch.Tensor, data: torch.Tensor) -> None:
                          f"got {tuple(s.shape)}")
 
 
-def _check_offs(offs: torch.Tensor, num_groups: int, device: torch.device) -> None:
+def _check_offs(offs: torch.Tensor, num_groups: int, device: torch.device) -> torch.Tensor:
+    """offs, validated, as a contiguous tensor (the kernel reads offs[e] at offs_ptr + e)."""
     if offs.dtype != torch.int32:
         raise TypeError(f"offs must be torch.int32, got {offs.dtype}")
     if offs.dim() != 1 or offs.shape[0] != num_groups:
         raise ValueError(f"offs must have shape ({num_groups},), got {tuple(offs.shape)}")
     if offs.device != device:
         raise ValueError(f"offs must be on {device}, got {offs.device}")
+    return offs.contiguous()
 
 
 def _fit_box(t: torch.Tensor, block: list[int]) -> torch.Tensor:
@@ -583,7 +585,7 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         raise ValueError(f"a has K={K} but b has K={Kb}")
     if b.device != a.device:
         raise ValueError("a and b must be on the same device")
-    _check_offs(offs, E, a.device)
+    offs = _check_offs(offs, E, a.device)
     if weight_block not in (1, 32):
         raise ValueError(f"weight_block must be 1 or 32, got {weight_block}")
     if weight_block == 32 and N % 32 != 0:
@@ -660,7 +662,7 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
     if offs.dim() != 1:
         raise ValueError(f"offs must be 1-D, got shape {tuple(offs.shape)}")
     E = offs.shape[0]
-    _check_offs(offs, E, a.device)
+    offs = _check_offs(offs, E, a.device)
     if E == 0:
         raise ValueError("offs must name at least one group")
     if check_offsets and bool((offs % MX_BLOCK != 0).any()):
