@@ -316,8 +316,9 @@ def test_gpu_qdq_kernels_bit_exact(shape, dtype, rule):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("shape", [(96, 160), (3, 64, 96), (4096, 2048), (2, 1536, 2048)])
 def test_gpu_gluon_qdq_equals_triton(shape, dtype, monkeypatch):
-    """qdq_dual / qdq_dual_bf16 through the Gluon kernel (sm_90) equal the Triton kernel (MXMOE_QUANT_GLUON=0) bit for bit, and the
-    columnwise BF16 values equal the CPU reference's."""
+    """qdq_dual / qdq_dual_bf16 through the Gluon kernel (sm_90; FP32 too, the layer's weights) equal the
+    Triton kernel (MXMOE_QUANT_GLUON=0) bit for bit, and the columnwise BF16 values equal the CPU
+    reference's."""
     import torch
 
     from mxmoe import formats
