@@ -67,7 +67,7 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     slot_rows = torch.empty_like(flat)
     slot_rows[order] = group_start[sorted_experts] + rank
     ends = torch.cumsum(padded, 0)
-    ends[-1:].fill_(M)  # fill_, not ends[-1] = M: under torch.compile that makes a CPU tensor constant (no CUDA graph)
+    ends[-1:].fill_(M)  # not ends[-1] = M: torch.compile makes that a CPU tensor constant (no CUDA graph)
     return slot_rows, ends.to(torch.int32), M, counts
 
 

@@ -172,11 +172,10 @@ def check_32x32(Q, x, rule, layout, tag):
 
 def check_grouped(Q, x, offs_list, rule, tag, extra_rows=0, offs_stride=1):
     offs = torch.tensor(offs_list, dtype=torch.int32)
-    if offs_stride > 1:  # a strided view of the same values (junk between them)
-        offs = torch.full((len(offs_list), offs_stride), -7, dtype=torch.int32).index_fill_(1, torch.tensor([0]), 0)
-        offs[:, 0] = torch.tensor(offs_list, dtype=torch.int32)
-        offs = offs.reshape(-1)[::offs_stride]
-        assert not offs.is_contiguous() or len(offs_list) < 2
+    if offs_stride > 1:  # a strided view of the same values, junk between them
+        spaced = torch.full((len(offs_list), offs_stride), -7, dtype=torch.int32)
+        spaced[:, 0] = offs
+        offs = spaced.reshape(-1)[::offs_stride]
     ref = quantize(_ref_input(x), axis=-1, scale_rule=rule)
     want_scale, want_offs = to_blocked_grouped(ref.scale, offs)
     padded = None
