@@ -416,7 +416,7 @@ def test_gluon_launch_contract(monkeypatch):
         grid, args, kw = calls[0]
         x3, qc, sc, qr, sr, M, K, m_cover, k_cover, sxb, sxm, sc_b, sr_b, rceil = args
         assert x3.data_ptr() == x.data_ptr() and (M, K) == tuple(x.shape[-2:]) and (sxb, sxm) == tuple(x3.stride()[:2])
-        assert rceil == 1 and kw["VEC"] == (Q._GLUON_FP32_VEC if x.dtype == torch.float32 else 8)
+        assert rceil == 1 and kw["VEC"] == 8  # 8 elements per thread per load, FP32 included
         g = Q._GLUON_TILES["dual" if kw["ROW"] else "col"]
         assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
         assert grid == (x3.shape[0] * -(-m_cover // (32 * g["MB"])) * -(-k_cover // g["BK"]),)

@@ -147,11 +147,12 @@ def _gluon():
     return quantize_gluon
 
 
-# Elements per thread per load for FP32 input in the Gluon kernel: 8 (two 16-byte loads, so a 1x32 row
-# block spans 4 lanes as for BF16). FP32 weights 8x28672x4096 / 128x1536x2048, % of copy, one H200 run
-# (results/h200/quantize_fp32_vec_trial_s6.json): qdq_dual 88.8 / 94.2% (4: 84.3 / 87.2%; the Triton kernel
-# the layer used before: 77.9 / 86.1%), columnwise 97.9 / 97.7% (4: 96.7 / 96.4%).
-_GLUON_FP32_VEC = 8
+# Elements per thread per load in the Gluon kernel, every input dtype: 8 (16 bytes for 16-bit input; two
+# 16-byte loads for FP32, so a 1x32 row block spans 4 lanes as for BF16). FP32 weights 8x28672x4096 /
+# 128x1536x2048, % of copy, one H200 run (results/h200/quantize_fp32_vec_trial_s6.json): qdq_dual 88.8 /
+# 94.2% (4 elements: 84.3 / 87.2%; the Triton kernel the layer used before: 77.9 / 86.1%), columnwise
+# 97.9 / 97.7% (4 elements: 96.7 / 96.4%).
+_GLUON_VEC = 8
 
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int):
@@ -160,12 +161,11 @@ def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, ro
     B, M, K = x3.shape
     g = _GLUON_TILES["dual" if row else "col"]
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
-    vec = _GLUON_FP32_VEC if x3.dtype == torch.float32 else 8  # 16-bit: 8 elements = 16 bytes
     _gluon().mx_quantize_cols_kernel[(n_tiles,)](
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
         M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
         0 if sr is None else sr[0].numel(), rceil,
-        ROW=row, COL=col, LAYOUT=layout, VEC=vec, num_warps=g["WM"] * g["WK"], **g)
+        ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, num_warps=g["WM"] * g["WK"], **g)
 
 
 def _config_grouped() -> TileConfig:
