@@ -138,8 +138,8 @@ def gluon_name(row: bool) -> str:
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
     """What a case runs: the Gluon columnwise/dual kernel's tile, or the Triton kernel's TileConfig."""
     x3 = x if x.dim() == 3 else x[None]
-    if key in ("col", "colrow") and not name.endswith("_triton") and Q._use_gluon(x3):
-        return gluon_name(key == "colrow")
+    if key in ("col", "colrow", "colrow32") and not name.endswith("_triton") and Q._use_gluon(x3):
+        return gluon_name(key != "col")
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
 
 
@@ -194,6 +194,7 @@ def cases(x: torch.Tensor, is_weight: bool):
             ("weight_1x32_both", "colrow", lambda: Q.quantize_dual(x)),
             ("weight_1x32_both_triton", "colrow", lambda: _triton_only(Q.quantize_dual, x)),
             ("weight_32x32_both", "colrow32", lambda: Q.quantize_32x32(x)),
+            ("weight_32x32_both_triton", "colrow32", lambda: _triton_only(Q.quantize_32x32, x)),
             ("weight_32x32_both_sm90", "colrow32", lambda: Q.quantize_32x32(x, scale_layout="sm90")),
         ]
     return out
@@ -222,7 +223,7 @@ def check(name: str, x: torch.Tensor, out) -> None:
             want += [(out[2][:2], c.data.mT), (out[3][:2], c.scale.mT)]
         else:
             want += [(out[2][:, :256], c.data.mT), (out[3][:, :8], c.scale.mT)]
-    elif name == "weight_32x32_both":
+    elif name in ("weight_32x32_both", "weight_32x32_both_triton"):
         r = quantize(sub, axis=-1, block=(32, 32))
         want = [(out[0][:2], r.data), (out[1][:2], r.scale), (out[2][:2], r.data.mT)]
     for got, ref in want:
@@ -240,7 +241,7 @@ def torchao_fn(x: torch.Tensor):
 
 
 SWEPT = ("rowwise", "columnwise_triton", "dual_triton", "grouped_8", "weight_rowwise_blocked",
-         "weight_columnwise_triton", "weight_1x32_both_triton", "weight_32x32_both")
+         "weight_columnwise_triton", "weight_1x32_both_triton", "weight_32x32_both_triton")
 
 
 def cfg_name(cfg) -> str:
@@ -440,7 +441,7 @@ def main():
             check(name, x, out)
             total = in_bytes + nbytes(*[t for t in out if isinstance(t, torch.Tensor) and t.dtype != torch.int32])
             del out
-            if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both") \
+            if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both", "weight_32x32_both") \
                     and kernel_config(name, key, x).startswith("gluon"):
                 tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual"]
                 saved = dict(tile)

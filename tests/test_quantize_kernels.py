@@ -442,7 +442,16 @@ def test_gluon_launch_contract(monkeypatch):
     assert dt.data_ptr() == qc.data_ptr() and st.data_ptr() == sc.data_ptr() and sc_b == 96 * 2
     (xb, xbt), (qc, _, qr, _, _, _, _, _), kw = launch(Q.qdq_dual_bf16, x)
     assert (kw["ROW"], kw["COL"]) == (2, 2) and xbt.data_ptr() == qc.data_ptr() and xbt.shape == (96, 64)
-    assert qc.dtype == torch.bfloat16 and xb.data_ptr() == qr.data_ptr()
+    assert qc.dtype == torch.bfloat16 and xb.data_ptr() == qr.data_ptr() and not kw["TILE32"]
+
+    w = torch.randn(2, 64, 96, dtype=torch.float32)  # 32x32 tiles, compact Hopper scales: cover 128
+    (d, s_, dt, st), (qc, sc, qr, sr, mc, kc, sc_b, sr_b), kw = launch(Q.quantize_32x32, w, "sm90")
+    assert kw["TILE32"] and (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (1, 1, 2) and (mc, kc) == (128, 128)
+    assert d.data_ptr() == qr.data_ptr() and dt.data_ptr() == qc.data_ptr() and dt.shape == (2, 96, 64)
+    assert s_.shape == (2, 3, 4) and st.shape == (2, 2, 4) and (sr_b, sc_b) == (12, 8)  # [K/32, ceil4(M/32)]
+    (xb, dt, st), (qc, sc, qr, _, mc, kc, sc_b, _), kw = launch(Q.qdq_dual, w, True)
+    assert kw["TILE32"] and (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (2, 1, 0) and (mc, kc) == (64, 96)
+    assert xb.data_ptr() == qr.data_ptr() and dt.data_ptr() == qc.data_ptr() and st.shape == (2, 96, 2)
 
 
 def test_input_errors():
@@ -523,8 +532,8 @@ def test_gpu_real_shapes(dtype):
 @needs_cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
-    """The Gluon columnwise/dual kernel (taken on sm_90): bit-exact against the reference and equal to
-    the Triton kernel (MXMOE_QUANT_GLUON=0) on tile-edge shapes, batches, FP16/FP32, strided rows."""
+    """The Gluon columnwise/dual/32x32 kernel (taken on sm_90): bit-exact against the reference and equal
+    to the Triton kernel (MXMOE_QUANT_GLUON=0) on tile-edge shapes, batches, FP16/FP32, strided rows."""
     from mxmoe.kernels import quantize as Q
 
     gen = torch.Generator().manual_seed(5)
@@ -551,7 +560,8 @@ def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
             runs = [Q.quantize_columnwise]
             if x.shape[-1] % 32 == 0:
                 check_dual(Q, x, rule, layout, tag)
-                runs.append(Q.quantize_dual)
+                check_32x32(Q, x, rule, layout, tag)
+                runs += [Q.quantize_dual, Q.quantize_32x32]
             for fn in runs:
                 got = fn(x, rule, layout)
                 monkeypatch.setenv("MXMOE_QUANT_GLUON", "0")

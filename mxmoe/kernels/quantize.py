@@ -155,9 +155,11 @@ def _gluon():
 _GLUON_VEC = 8
 
 
-def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int):
+def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
+                  tile32: bool = False):
     """Run quantize_gluon.mx_quantize_cols_kernel on x3 [B, M, K] over [m_cover, k_cover]; row / col
-    are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None)."""
+    are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None); tile32: one
+    scale per 32x32 tile."""
     B, M, K = x3.shape
     g = _GLUON_TILES["dual" if row else "col"]
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
@@ -165,7 +167,7 @@ def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, ro
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
         M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
         0 if sr is None else sr[0].numel(), rceil,
-        ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, num_warps=g["WM"] * g["WK"], **g)
+        ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, num_warps=g["WM"] * g["WK"], **g)
 
 
 def _config_grouped() -> TileConfig:
@@ -249,8 +251,9 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        if col and not tile32 and _use_gluon(x3):
-            _launch_gluon(x3, qc, sc, qr, sr, m_cover, k_cover, rceil, row=int(row), col=1, layout=layout)
+        if col and _use_gluon(x3):
+            _launch_gluon(x3, qc, sc, qr, sr, m_cover, k_cover, rceil, row=int(row), col=1, layout=layout,
+                          tile32=tile32)
             out = [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)] if row else []
             return (*out, finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype))
         total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
@@ -487,9 +490,10 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
     bc = torch.empty(B, K, M, dtype=torch.bfloat16, device=dev) if col_bf16 else None
     qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev) if col_fp8 else None
     sc = torch.empty(B, K, M // BLOCK, dtype=torch.uint8, device=dev) if col_fp8 else None
-    if x3.numel() > 0 and col and not tile32 and not (col_bf16 and col_fp8) and _use_gluon(x3):
+    if x3.numel() > 0 and col and not (col_bf16 and col_fp8) and not (tile32 and (col_bf16 or not row_bf16)) \
+            and _use_gluon(x3):
         _launch_gluon(x3, bc if col_bf16 else qc, sc, br, None, M, K, rceil, row=2 if row_bf16 else 0,
-                      col=2 if col_bf16 else 1, layout=0)
+                      col=2 if col_bf16 else 1, layout=0, tile32=tile32)
     elif x3.numel() > 0:
         BM, BK, num_warps, persistent = _config_qdq(col)
         total = triton_cdiv(M, BM) * triton_cdiv(K, BK) * B

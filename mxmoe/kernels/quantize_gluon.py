@@ -58,14 +58,20 @@ def _tile_index(tm, tk, MB: gl.constexpr, BK: gl.constexpr, L: gl.constexpr):
 
 @gluon.jit
 def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: gl.constexpr, LAYOUT: gl.constexpr,
-             MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, L_IN: gl.constexpr):
+             MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, L_IN: gl.constexpr,
+             TILE32: gl.constexpr):
     """The rowwise half, on the tile x [MB, 32, BK] as loaded (L_IN, global indices m [MB, 32, 1],
     k [1, 1, BK]): a 1x32 block along K is VEC elements in each of 32/VEC neighbouring lanes, so its
     max is in-thread plus shuffles. OUT 1: E4M3 qr [B, M, K] and scales sr; OUT 2: the BF16 MX
-    values (quantize, then expand) into qr [B, M, K] bf16."""
+    values (quantize, then expand) into qr [B, M, K] bf16. TILE32: one scale per 32x32 tile (the
+    max of the tile's 32 row-block maxima)."""
     NB: gl.constexpr = BK // 32
     xf = gl.reshape(_to_f32(x), [MB, 32, NB, 32])
-    byte = _e8m0_from_amax_bits(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3), rceil)  # [MB, 32, NB]
+    amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3)  # [MB, 32, NB]
+    if TILE32:
+        tile = gl.max(amax, axis=1)  # [MB, NB]
+        amax, _ = gl.broadcast(gl.expand_dims(tile, 1), amax)
+    byte = _e8m0_from_amax_bits(amax, rceil)
     q = _quantize_elems(xf, gl.expand_dims(byte, 3), False)
     if OUT == 2:
         v = gl.convert_layout(gl.reshape(_expand_bf16(q, gl.expand_dims(byte, 3)), [MB, 32, BK]), L_IN)
@@ -73,7 +79,24 @@ def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: 
     else:
         q = gl.convert_layout(gl.reshape(q, [MB, 32, BK]), L_IN)
         gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, q, mask=(m < M) & (k < K))
-        _rowwise_scales(byte, tm, tk, b, sr_ptr, M, K, sr_stride_b, LAYOUT, MB, BK, WM, WK)
+        if TILE32 and LAYOUT == 2:  # compact: one value per tile of the [M/32, K/32] tile grid
+            _tile_scales(_e8m0_from_amax_bits(tile, rceil), tm, tk, sr_ptr + b * sr_stride_b, M // 32, K // 32,
+                         MB, NB, False)
+        else:
+            _rowwise_scales(byte, tm, tk, b, sr_ptr, M, K, sr_stride_b, LAYOUT, MB, BK, WM, WK)
+
+
+@gluon.jit
+def _tile_scales(byte, tm, tk, s_ptr, n_rows, n_cols, MB: gl.constexpr, NB: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """Store the 32x32-tile scale bytes [MB, NB] of tile (tm, tk) in the compact Hopper layout of a
+    [n_rows, n_cols] tile-scale matrix (rows: M/32 tiles; TRANSPOSED: rows are the K/32 tiles)."""
+    L: gl.constexpr = byte.type.layout
+    r = tm * MB + gl.expand_dims(gl.arange(0, MB, layout=gl.SliceLayout(1, L)), 1)  # [MB, 1] tile row along M
+    c = tk * NB + gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(0, L)), 0)  # [1, NB] tile column along K
+    if TRANSPOSED:
+        _store_scales(s_ptr, c, r, byte, n_rows, n_cols, 0, 2)
+    else:
+        _store_scales(s_ptr, r, c, byte, n_rows, n_cols, 0, 2)
 
 
 @gluon.jit
@@ -95,7 +118,7 @@ def mx_quantize_cols_kernel(
     x_ptr, qc_ptr, sc_ptr, qr_ptr, sr_ptr, M, K, M_cover, K_cover, stride_xb, stride_xm,
     sc_stride_b, sr_stride_b, rceil,
     ROW: gl.constexpr, COL: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
-    WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr,
+    WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, then k-tiles, then b); WM*WK warps.
 
@@ -105,7 +128,9 @@ def mx_quantize_cols_kernel(
     Outputs, by mode (1: E4M3 data + E8M0 scales, 2: BF16 MX values, i.e. quantize then expand):
     COL 1: qc [B, K, M] + sc (quantize_columnwise); COL 2: qc [B, K, M] bf16 (the transposed QDQ).
     ROW 0: none; 1: qr [B, M, K] + sr [B, M, K/32] (quantize_dual); 2: qr [B, M, K] bf16 (qdq_dual).
-    ROW needs K % 32 == 0. The row outputs come from the same load.
+    ROW needs K % 32 == 0. The row outputs come from the same load. TILE32 (ROW 1 or 2 with COL 1): one
+    scale per 32x32 tile, so both orientations hold the same bytes (quantize_32x32, qdq_dual tile32);
+    the scales are stored replicated per row / column, or once per tile in the compact LAYOUT 2.
     """
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
@@ -123,11 +148,18 @@ def mx_quantize_cols_kernel(
     x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
 
     if ROW != 0:
-        _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN)
+        _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
+                 TILE32)
 
     # columns: one layout conversion, then everything per thread
     xf = _to_f32(gl.convert_layout(x, L_COL))
-    byte = _e8m0_from_amax_bits(gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), rceil)  # [MB, BK]
+    amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # [MB, BK]
+    if TILE32:  # the max over each tile's 32 columns, spread back over them
+        a3 = gl.reshape(amax, [MB, BK // 32, 32])
+        tile = gl.max(a3, axis=2)  # [MB, NB]
+        a3, _ = gl.broadcast(gl.expand_dims(tile, 2), a3)
+        amax = gl.convert_layout(gl.reshape(a3, [MB, BK]), amax.type.layout)
+    byte = _e8m0_from_amax_bits(amax, rceil)
     q = _quantize_elems(xf, gl.expand_dims(byte, 1), False)
 
     mc, kc = _tile_index(tm, tk, MB, BK, L_COL)
@@ -136,7 +168,11 @@ def mx_quantize_cols_kernel(
         gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, v, mask=(mc < M) & (kc < K))
     else:
         gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, q, mask=(mc < M) & (kc < K))
-        _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT, MB, BK, L_COL)
+        if TILE32 and LAYOUT == 2:
+            _tile_scales(_e8m0_from_amax_bits(tile, rceil), tm, tk, sc_ptr + b * sc_stride_b, K // 32, M // 32,
+                         MB, BK // 32, True)
+        else:
+            _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT, MB, BK, L_COL)
 
 
 @gluon.jit
