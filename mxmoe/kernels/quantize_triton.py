@@ -276,6 +276,8 @@ def _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M):
 @triton.jit
 def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, n_groups, M, K, stride_xm, stride_xk,
                      BM: tl.constexpr, BK: tl.constexpr):
+    """Tile t of the grouped input and its group rows (row0, row_end, in_group) from _group_rows,
+    which the caller keeps for the tile's quantization (one group search per tile)."""
     tr = t % n_t
     tk = t // n_t
     row0, row_end, in_group = _group_rows(tr * BM, pad_end, tiles, gmask, offs_ptr, n_groups, M)
@@ -283,7 +285,8 @@ def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, n_gr
     k = tk * BK + tl.arange(0, BK)[None, :]
     live = tl.full([BM, 1], t, tl.int32) < total
     mask = (m < row_end) & (m < M) & (k < K) & live
-    return tl.load(x_ptr + m.to(tl.int64) * stride_xm + k.to(tl.int64) * stride_xk, mask=mask, other=0.0)
+    x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + k.to(tl.int64) * stride_xk, mask=mask, other=0.0)
+    return x, row0, row_end, in_group
 
 
 @triton.jit(do_not_specialize=["rceil"])
@@ -323,16 +326,16 @@ def mx_quantize_grouped_kernel(
     mb = tl.arange(0, MB)
     ii = tl.arange(0, 32)
     nb = tl.arange(0, NB)
-    x = _load_group_tile(x_ptr, pid, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups, M, K,
-                         stride_xm, stride_xk, BM, BK)
+    x, row0, row_end, in_group = _load_group_tile(x_ptr, pid, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr,
+                                                  n_groups, M, K, stride_xm, stride_xk, BM, BK)
     t = pid
     while t < total:
-        x_next = _load_group_tile(x_ptr, t + nprog, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups,
-                                  M, K, stride_xm, stride_xk, BM, BK)
+        x_next, row0_next, row_end_next, in_group_next = _load_group_tile(
+            x_ptr, t + nprog, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups, M, K, stride_xm,
+            stride_xk, BM, BK)
         tr = t % n_row_tiles
         tk = t // n_row_tiles
         p = tr * BM
-        row0, row_end, in_group = _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M)
         m = row0 + tl.arange(0, BM)[:, None]
         k = tk * BK + tl.arange(0, BK)[None, :]
         m64 = m.to(tl.int64)
@@ -348,7 +351,7 @@ def mx_quantize_grouped_kernel(
         c = tk * NB + nb[None, None, :]  # [1, 1, NB]
         smask = (r < padded_rows) & (c < n_col_tiles * 4)
         tl.store(s_ptr + _blocked_index(r.to(tl.int64), c, n_col_tiles), byte.to(tl.uint8), mask=smask)
-        x = x_next
+        x, row0, row_end, in_group = x_next, row0_next, row_end_next, in_group_next
         t += nprog
 
 
