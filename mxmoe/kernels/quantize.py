@@ -170,6 +170,12 @@ def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, ro
         ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, num_warps=g["WM"] * g["WK"], **g)
 
 
+# Groups up to which mx_quantize_grouped_kernel finds a tile's group with a vector sum over the groups (warp-local
+# while they fit one warp); past it, a binary search over the padded ends: the sum had become a cross-warp
+# reduction (NOTES_quantize.md, session 7).
+_GROUPED_VECTOR_SEARCH_MAX = 32
+
+
 def _config_grouped() -> TileConfig:
     """Launch config of mx_quantize_grouped_kernel ("tile" kind; BM must divide 128)."""
     if _interpreting():
@@ -261,8 +267,11 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
                 M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
                 sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
+        # tile order: M-fastest (the transposed outputs need it) except rowwise with row-major scales, where
+        # K-fastest lets neighbouring programs write a row's scale bytes together: 86-87 -> 92% of copy on the
+        # two large activations; with blocked / Hopper scales K-fastest lost 1.5-4 points (H200, session 7)
         kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BM=BM, BK=BK,
-                      SOFT_CVT=_interpreting(), num_warps=num_warps)
+                      SOFT_CVT=_interpreting(), K_FAST=not col and layout == 0, num_warps=num_warps)
         _launch_tiles(_kernels().mx_quantize_kernel, args, kwargs, total, persistent, x.device)
     out = []
     if row:
@@ -430,8 +439,10 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
     n_row_tiles = n_tiles * (128 // BM)
     total = n_row_tiles * triton_cdiv(triton_cdiv(K, 128) * 128, BK)
     EP = max(16, 1 << max(E - 1, 0).bit_length())
+    # group search per tile (_group_rows): a vector sum while the groups fit one warp, else a binary search
+    search_bits = E.bit_length() if EP > _GROUPED_VECTOR_SEARCH_MAX else 0
     args = (x, data, scale, offs, blocked_offs, M, K, x.stride(0), x.stride(1), E, n_row_tiles, padded_rows, rceil)
-    kwargs = dict(EP=EP, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+    kwargs = dict(EP=EP, SEARCH_BITS=search_bits, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
     _launch_tiles(_kernels().mx_quantize_grouped_kernel, args, kwargs, total, persistent, x.device)
     return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_offs
 

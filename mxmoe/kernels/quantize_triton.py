@@ -138,6 +138,15 @@ def _tile_coords(t, n_m, n_k):
 
 
 @triton.jit
+def _k_fastest(t, total, n_m, n_k):
+    """The _tile_coords index of the t-th tile in K-fastest order (t >= total kept): programs running
+    at the same time then take neighbouring tiles along K, so a row's scales are written together."""
+    tk = t % n_k
+    rest = t // n_k
+    return tl.where(t < total, ((rest // n_m) * n_k + tk) * n_m + rest % n_m, t)
+
+
+@triton.jit
 def _load_tile(x_ptr, t, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk,
                BM: tl.constexpr, BK: tl.constexpr):
     """The [BM, BK] input tile number t (zeros past the edges and for t >= total)."""
@@ -226,7 +235,7 @@ def mx_quantize_kernel(
     rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
     ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, K_FAST: tl.constexpr,
 ):
     """MXFP8 of x [B, M, K] (any strides), persistent: program p takes tiles p, p + P, ...
 
@@ -247,26 +256,41 @@ def mx_quantize_kernel(
     n_m = tl.cdiv(M_cover, BM)
     n_k = tl.cdiv(K_cover, BK)
     total = n_m * n_k * B
-    x = _load_tile(x_ptr, pid, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
     t = pid
+    tt = _k_fastest(t, total, n_m, n_k) if K_FAST else t
+    x = _load_tile(x_ptr, tt, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
     while t < total:  # (a while loop: the interpreter cannot range over runtime bounds)
-        x_next = _load_tile(x_ptr, t + nprog, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
-        _quantize_tile(x, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
+        tt_next = _k_fastest(t + nprog, total, n_m, n_k) if K_FAST else t + nprog
+        x_next = _load_tile(x_ptr, tt_next, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
+        _quantize_tile(x, tt, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
                        ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BM, BK, SOFT_CVT)
         x = x_next
+        tt = tt_next
         t += nprog
 
 
 @triton.jit
-def _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M):
+def _group_rows(p, pad_end, tiles, gmask, offs_ptr, bo_ptr, n_groups, M, SEARCH_BITS: tl.constexpr):
     """Input rows behind padded scale row p: (first row, end row, p lies inside a group).
 
-    Groups whose padded span ends at or before p are exactly the groups before p's group g, so
-    one packed sum gives both g (low 32 bits) and g's first padded row (high bits * 128).
+    p's group g is the number of groups whose padded span ends at or before p. Vector search: one
+    packed sum gives g (low 32 bits) and g's first padded row (high bits * 128); it is warp-local
+    while EP fits one warp, but for more groups it becomes a cross-warp reduction (barriers, more
+    registers: NOTES_quantize.md). SEARCH_BITS > 0 (2**SEARCH_BITS > n_groups): a branch-free binary
+    search over the padded ends bo_ptr[0:n_groups] instead, SEARCH_BITS + 1 dependent scalar loads
+    (L1 hits), no reduction.
     """
-    packed = tl.sum(tl.where(gmask & (pad_end <= p), (tiles.to(tl.int64) << 32) + 1, 0), 0)
-    g = (packed & 0xFFFFFFFF).to(tl.int32)
-    pad_start = (packed >> 32).to(tl.int32) * 128
+    if SEARCH_BITS > 0:
+        g = p * 0
+        for j in tl.static_range(SEARCH_BITS):
+            cand = g + (1 << (SEARCH_BITS - 1 - j))
+            v = tl.load(bo_ptr + cand - 1, mask=cand <= n_groups, other=2147483647)
+            g = tl.where(v <= p, cand, g)
+        pad_start = tl.load(bo_ptr + g - 1, mask=g > 0, other=0)
+    else:
+        packed = tl.sum(tl.where(gmask & (pad_end <= p), (tiles.to(tl.int64) << 32) + 1, 0), 0)
+        g = (packed & 0xFFFFFFFF).to(tl.int32)
+        pad_start = (packed >> 32).to(tl.int32) * 128
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
     in_group = g < n_groups
     end = tl.load(offs_ptr + g, mask=in_group, other=M)
@@ -274,13 +298,14 @@ def _group_rows(p, pad_end, tiles, gmask, offs_ptr, n_groups, M):
 
 
 @triton.jit
-def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, n_groups, M, K, stride_xm, stride_xk,
-                     BM: tl.constexpr, BK: tl.constexpr):
+def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, bo_ptr, n_groups, M, K, stride_xm,
+                     stride_xk, SEARCH_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     """Tile t of the grouped input and its group rows (row0, row_end, in_group) from _group_rows,
     which the caller keeps for the tile's quantization (one group search per tile)."""
     tr = t % n_t
     tk = t // n_t
-    row0, row_end, in_group = _group_rows(tr * BM, pad_end, tiles, gmask, offs_ptr, n_groups, M)
+    row0, row_end, in_group = _group_rows(tr * BM, pad_end, tiles, gmask, offs_ptr, bo_ptr, n_groups, M,
+                                          SEARCH_BITS)
     m = row0 + tl.arange(0, BM)[:, None]
     k = tk * BK + tl.arange(0, BK)[None, :]
     live = tl.full([BM, 1], t, tl.int32) < total
@@ -294,7 +319,7 @@ def mx_quantize_grouped_kernel(
     x_ptr, q_ptr, s_ptr, offs_ptr, bo_ptr,
     M, K, stride_xm, stride_xk,
     n_groups, n_row_tiles, padded_rows, rceil,
-    EP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+    EP: tl.constexpr, SEARCH_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
 ):
     """Rowwise MXFP8 of grouped rows x [M, K], scales straight into the per-group blocked layout.
 
@@ -304,9 +329,13 @@ def mx_quantize_grouped_kernel(
     the offsets alone (no host sync), quantizes the matching input rows, and writes zero scales
     for the padding rows. Tiles past the last group's padded rows quantize the tail rows
     [offs[-1], M) (data only; their scale rows, up to padded_rows, are zeros).
-    n_row_tiles = max(cdiv(M,128) + n_groups, padded_rows/128) * 128/BM row tiles cover everything.
-    Program 0 also writes the padded end offsets bo [n_groups] (int32, layouts.blocked_group_offsets),
-    so the launch needs no torch ops around it. Persistent with a one-tile prefetch, like mx_quantize_kernel.
+    n_row_tiles = max(cdiv(M,128) + n_groups, padded_rows/128) * 128/BM row tiles cover everything; with
+    the scalar search the kernel runs exactly max(sum of padded spans + the tail rounded up to 128,
+    padded_rows) / BM of them (half the bound for 128 groups of 128 rows).
+    Every program writes the padded end offsets bo [n_groups] (int32, layouts.blocked_group_offsets;
+    the same values, so the launch needs no torch ops around it), which the scalar group search
+    (SEARCH_BITS > 0, _group_rows) reads back after a CTA barrier. Persistent with a one-tile
+    prefetch, like mx_quantize_kernel.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -317,7 +346,15 @@ def mx_quantize_grouped_kernel(
     starts = tl.load(offs_ptr + g - 1, mask=gmask & (g > 0), other=0)
     tiles = tl.where(gmask, (ends - starts + 127) // 128, 0)
     pad_end = tl.cumsum(tiles, 0) * 128
-    tl.store(bo_ptr + g, pad_end, mask=gmask & (pid == 0))
+    if SEARCH_BITS > 0:  # exactly the row tiles the groups need (the argument is a bound); a loop bound
+        # from a reduction with the vector search would make ptxas keep a divergent copy of the loop (+60% SASS)
+        last = tl.load(offs_ptr + n_groups - 1, mask=n_groups > 0, other=0)
+        n_row_tiles = tl.maximum(tl.max(pad_end, 0) + tl.cdiv(M - last, 128) * 128, padded_rows) // BM
+    if SEARCH_BITS > 0:  # every program stores the same values, then reads them back
+        tl.store(bo_ptr + g, pad_end, mask=gmask)
+        tl.debug_barrier()
+    else:
+        tl.store(bo_ptr + g, pad_end, mask=gmask & (pid == 0))
     n_k = tl.cdiv(tl.cdiv(K, 128) * 128, BK)
     total = n_row_tiles * n_k
     n_col_tiles = (K // 32 + 3) // 4
@@ -327,12 +364,12 @@ def mx_quantize_grouped_kernel(
     ii = tl.arange(0, 32)
     nb = tl.arange(0, NB)
     x, row0, row_end, in_group = _load_group_tile(x_ptr, pid, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr,
-                                                  n_groups, M, K, stride_xm, stride_xk, BM, BK)
+                                                  bo_ptr, n_groups, M, K, stride_xm, stride_xk, SEARCH_BITS, BM, BK)
     t = pid
     while t < total:
         x_next, row0_next, row_end_next, in_group_next = _load_group_tile(
-            x_ptr, t + nprog, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, n_groups, M, K, stride_xm,
-            stride_xk, BM, BK)
+            x_ptr, t + nprog, total, n_row_tiles, pad_end, tiles, gmask, offs_ptr, bo_ptr, n_groups, M, K,
+            stride_xm, stride_xk, SEARCH_BITS, BM, BK)
         tr = t % n_row_tiles
         tk = t // n_row_tiles
         p = tr * BM
