@@ -28,3 +28,22 @@ def test_fake_shapes():
         x_t, sx = ops.quantize_columnwise(torch.empty(512, 40, device="cuda"), "rceil")  # [40, 512]
         w = ops.sm90_k_grouped_gemm(dy_t, sdy, x_t, sx, offs, "float32", False)
         assert (w.shape, w.dtype) == ((8, 96, 40), torch.float32)
+
+
+def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
+    """dispatch._ops(): the plain functions in eager mode, the registered custom ops under torch.compile;
+    every custom op has its plain function and nothing else is in EAGER."""
+    from torch._library.custom_ops import CustomOpDef
+
+    from mxmoe.kernels import dispatch
+
+    registered = {n for n, v in vars(torch_ops).items() if isinstance(v, CustomOpDef)}
+    assert registered and registered == set(vars(torch_ops.EAGER))
+    for name in registered:
+        assert callable(getattr(torch_ops.EAGER, name)) and hasattr(torch.ops.mxmoe, name)
+        assert not isinstance(getattr(torch_ops.EAGER, name), CustomOpDef)
+    assert dispatch._ops() is torch_ops.EAGER
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch._ops() is torch_ops
+    if dispatch._triton_ok():  # (layer_ops is None without triton)
+        assert dispatch.layer_ops() is torch_ops

@@ -19,10 +19,12 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _ops():
-    """The registered custom ops (:mod:`mxmoe.kernels.torch_ops`), registered on first use."""
+    """The kernels' entry points (:mod:`mxmoe.kernels.torch_ops`, registered on first use): under
+    torch.compile the custom ops, which the graph keeps as single nodes with fake implementations; in
+    eager mode the same Python functions without the custom-op dispatch (``torch_ops.EAGER``)."""
     from mxmoe.kernels import torch_ops
 
-    return torch_ops
+    return torch_ops if torch.compiler.is_compiling() else torch_ops.EAGER
 
 
 def _triton_ok() -> bool:
@@ -211,7 +213,9 @@ def layer_ops():
     if os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0" or not _triton_ok():
         return None
     if torch.compiler.is_compiling():
-        return _ops()
+        from mxmoe.kernels import torch_ops
+
+        return torch_ops
     from mxmoe.kernels import layer
 
     return layer

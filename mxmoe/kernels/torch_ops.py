@@ -31,10 +31,24 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# The same functions without the custom-op dispatch, for eager mode (mxmoe.kernels.dispatch._ops):
+# each custom-op call adds Python dispatch (schema checks, autograd and aliasing wrappers) on top of
+# the launch, and small MoE layers are bound by host time (benchmarks/NOTES_train.md).
+EAGER = types.SimpleNamespace()
+
+
+def _op(fn):
+    """Register ``fn`` as the custom op ``mxmoe::<fn name>`` (no mutated arguments); keep ``fn``
+    itself in :data:`EAGER`."""
+    setattr(EAGER, fn.__name__, fn)
+    return torch.library.custom_op(f"mxmoe::{fn.__name__}", mutates_args=())(fn)
 
 
 def _row(x):
@@ -46,63 +60,63 @@ def _col(x):
     return x.new_empty((*lead, K, M), dtype=E4M3), x.new_empty((*lead, K, M // 32), dtype=E8M0)
 
 
-@torch.library.custom_op("mxmoe::quantize_rowwise", mutates_args=())
+@_op
 def quantize_rowwise(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
     return q.quantize_rowwise(x, scale_rule)
 
 
-@torch.library.custom_op("mxmoe::quantize_columnwise", mutates_args=())
+@_op
 def quantize_columnwise(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
     return q.quantize_columnwise(x, scale_rule)
 
 
-@torch.library.custom_op("mxmoe::quantize_dual", mutates_args=())
+@_op
 def quantize_dual(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
     return tuple(q.quantize_dual(x, scale_rule))
 
 
-@torch.library.custom_op("mxmoe::quantize_32x32", mutates_args=())
+@_op
 def quantize_32x32(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
     return tuple(q.quantize_32x32(x, scale_rule))
 
 
-@torch.library.custom_op("mxmoe::dequantize_bf16", mutates_args=())
+@_op
 def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     from mxmoe.kernels.dequantize import dequantize_bf16 as deq
 
     return deq(data, scale)
 
 
-@torch.library.custom_op("mxmoe::qdq_rowwise", mutates_args=())
+@_op
 def qdq_rowwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
     from mxmoe.kernels import quantize as q
 
     return q.qdq_rowwise(x, scale_rule)
 
 
-@torch.library.custom_op("mxmoe::qdq_dual", mutates_args=())
+@_op
 def qdq_dual(x: torch.Tensor, scale_rule: str, tile32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
     return tuple(q.qdq_dual(x, scale_rule, tile32))
 
 
-@torch.library.custom_op("mxmoe::qdq_dual_bf16", mutates_args=())
+@_op
 def qdq_dual_bf16(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
     return tuple(q.qdq_dual_bf16(x, scale_rule))
 
 
-@torch.library.custom_op("mxmoe::swiglu_qdq", mutates_args=())
+@_op
 def swiglu_qdq(h: torch.Tensor, scale_rule: str, save_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
@@ -110,28 +124,28 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: str, save_h: bool) -> tuple[torch.Te
     return tuple(q.swiglu_qdq(h, scale_rule, save_h))
 
 
-@torch.library.custom_op("mxmoe::permute_qdq", mutates_args=())
+@_op
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
 
     return tuple(q.permute_qdq(x, src, scale_rule))
 
 
-@torch.library.custom_op("mxmoe::gather_rows", mutates_args=())
+@_op
 def gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
     from mxmoe.kernels import layer
 
     return layer.gather_rows(x, src, rows)
 
 
-@torch.library.custom_op("mxmoe::gather_sum", mutates_args=())
+@_op
 def gather_sum(src: torch.Tensor, idx: torch.Tensor, top_k: int, w: torch.Tensor | None) -> torch.Tensor:
     from mxmoe.kernels import layer
 
     return layer.gather_sum(src, idx, top_k, w)
 
 
-@torch.library.custom_op("mxmoe::combine_backward", mutates_args=())
+@_op
 def combine_backward(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: torch.Tensor,
                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import layer
@@ -139,21 +153,21 @@ def combine_backward(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: 
     return layer.combine_backward(dy, w, yp, slot, top_k)
 
 
-@torch.library.custom_op("mxmoe::swiglu", mutates_args=())
+@_op
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     from mxmoe.kernels import layer
 
     return layer.swiglu(h)
 
 
-@torch.library.custom_op("mxmoe::swiglu_backward", mutates_args=())
+@_op
 def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | None = None) -> torch.Tensor:
     from mxmoe.kernels import layer
 
     return layer.swiglu_backward(da, h, h_scale)
 
 
-@torch.library.custom_op("mxmoe::to_float32", mutates_args=())
+@_op
 def to_float32(x: torch.Tensor) -> torch.Tensor:
     from mxmoe.kernels import layer
 
@@ -165,7 +179,7 @@ def _bf16(x, transposed=False):
     return x.new_empty(shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("mxmoe::sm90_m_grouped_gemm", mutates_args=())
+@_op
 def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         offs: torch.Tensor, out_dtype: str, weight_block: int) -> torch.Tensor:
     from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
@@ -173,7 +187,7 @@ def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     return g.sm90_mxfp8_m_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], weight_block=weight_block)
 
 
-@torch.library.custom_op("mxmoe::sm90_k_grouped_gemm", mutates_args=())
+@_op
 def sm90_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         offs: torch.Tensor, out_dtype: str, check_offsets: bool) -> torch.Tensor:
     from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
