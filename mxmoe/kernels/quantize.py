@@ -132,7 +132,9 @@ def _use_gluon(x3: torch.Tensor) -> bool:
         return False
     if x3.stride(2) != 1 and x3.shape[2] > 1:
         return False
-    if torch.cuda.get_device_capability(x3.device) != (9, 0):  # checked on H200 only (sm_100: Triton)
+    from mxmoe.kernels.dispatch import _capability  # cached: this runs at every call
+
+    if _capability(x3.device.index) != (9, 0):  # checked on H200 only (sm_100: Triton)
         return False
     try:
         _gluon()
