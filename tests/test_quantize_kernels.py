@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -256,6 +257,11 @@ def _case_grouped(Q, dev, gen):
     check_grouped(Q, x, [128, 256, 300], "floor", "128-aligned, async capacity", extra_rows=256)
     offs = sorted(torch.randint(0, M + 1, (34,), generator=gen).tolist())
     check_grouped(Q, x, offs, "rceil", "34 random groups (> 32 experts), async capacity", extra_rows=128)
+    with warnings.catch_warnings():  # (the interpreter reports a division by zero as a RuntimeWarning)
+        warnings.simplefilter("error")
+        empty = x[:0]  # no rows, 33 empty groups: nothing to quantize, yet the launch has tiles
+        check_grouped(Q, empty, [0] * 33, "rceil", "no rows, 33 groups")
+        check_grouped(Q, empty, [0] * 33, "rceil", "no rows, 33 groups, capacity", extra_rows=256)
 
 
 def _case_noncontiguous(Q, dev, gen):

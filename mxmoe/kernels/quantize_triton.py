@@ -349,7 +349,8 @@ def mx_quantize_grouped_kernel(
     if SEARCH_BITS > 0:  # exactly the row tiles the groups need (the argument is a bound); a loop bound
         # from a reduction with the vector search would make ptxas keep a divergent copy of the loop (+60% SASS)
         last = tl.load(offs_ptr + n_groups - 1, mask=n_groups > 0, other=0)
-        n_row_tiles = tl.maximum(tl.max(pad_end, 0) + tl.cdiv(M - last, 128) * 128, padded_rows) // BM
+        # (at least one: with M = 0 and nothing to write it would be 0, and tiles are numbered modulo it)
+        n_row_tiles = tl.maximum(tl.maximum(tl.max(pad_end, 0) + tl.cdiv(M - last, 128) * 128, padded_rows), BM) // BM
     if SEARCH_BITS > 0:  # every program stores the same values, then reads them back
         tl.store(bo_ptr + g, pad_end, mask=gmask)
         tl.debug_barrier()
