@@ -346,13 +346,14 @@ def mx_quantize_grouped_kernel(
     starts = tl.load(offs_ptr + g - 1, mask=gmask & (g > 0), other=0)
     tiles = tl.where(gmask, (ends - starts + 127) // 128, 0)
     pad_end = tl.cumsum(tiles, 0) * 128
-    if SEARCH_BITS > 0:  # exactly the row tiles the groups need (the argument is a bound); a loop bound
-        # from a reduction with the vector search would make ptxas keep a divergent copy of the loop (+60% SASS)
+    if SEARCH_BITS > 0:
+        # exactly the row tiles the groups need (the argument is a bound), at least one (tiles are numbered
+        # modulo it); with the vector search a loop bound from a reduction made ptxas keep a divergent copy
+        # of the loop (+60% SASS)
         last = tl.load(offs_ptr + n_groups - 1, mask=n_groups > 0, other=0)
-        # (at least one: with M = 0 and nothing to write it would be 0, and tiles are numbered modulo it)
-        n_row_tiles = tl.maximum(tl.maximum(tl.max(pad_end, 0) + tl.cdiv(M - last, 128) * 128, padded_rows), BM) // BM
-    if SEARCH_BITS > 0:  # every program stores the same values, then reads them back
-        tl.store(bo_ptr + g, pad_end, mask=gmask)
+        rows = tl.maximum(tl.max(pad_end, 0) + tl.cdiv(M - last, 128) * 128, padded_rows)
+        n_row_tiles = tl.maximum(rows, BM) // BM
+        tl.store(bo_ptr + g, pad_end, mask=gmask)  # every program stores the same values, then reads them back
         tl.debug_barrier()
     else:
         tl.store(bo_ptr + g, pad_end, mask=gmask & (pid == 0))

@@ -1,8 +1,9 @@
 """The CUDA kernels as ``torch.library`` custom ops (namespace ``mxmoe``), each with a fake
 (meta) implementation, so ``torch.compile`` traces them as single nodes and CUDA graphs capture
-them. The dispatch layer (:mod:`mxmoe.kernels.dispatch`) calls the quantization and GEMM kernels
-through these ops; the layer kernels (gather, combine, SwiGLU, cast) go through them under
-torch.compile and straight to their launchers in eager mode (``dispatch.layer_ops``).
+them. The dispatch layer (:mod:`mxmoe.kernels.dispatch`) calls the kernels through these ops under
+torch.compile, and in eager mode through the same functions without the custom-op dispatch
+(:data:`EAGER` for quantization and GEMMs, the launchers of :mod:`mxmoe.kernels.layer` for the layer
+kernels: gather, combine, SwiGLU, cast).
 
 Shapes (``...`` = optional leading batch dim, e.g. experts):
 
