@@ -213,9 +213,7 @@ def layer_ops():
     if os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0" or not _triton_ok():
         return None
     if torch.compiler.is_compiling():
-        from mxmoe.kernels import torch_ops
-
-        return torch_ops
+        return _ops()  # the custom ops
     from mxmoe.kernels import layer
 
     return layer
