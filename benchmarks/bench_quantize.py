@@ -183,6 +183,8 @@ def cases(x: torch.Tensor, is_weight: bool):
             ("columnwise_triton", "col", lambda: _triton_only(Q.quantize_columnwise, x)),
             ("dual", "colrow", lambda: Q.quantize_dual(x)),
             ("dual_triton", "colrow", lambda: _triton_only(Q.quantize_dual, x)),
+            ("dual_blocked", "colrow", lambda: Q.quantize_dual(x, scale_layout="blocked")),
+            ("dual_sm90", "colrow", lambda: Q.quantize_dual(x, scale_layout="sm90")),
         ]
         M, K = x.shape
         for E in (8, 128):
@@ -197,6 +199,7 @@ def cases(x: torch.Tensor, is_weight: bool):
             ("weight_columnwise_triton", "col", lambda: _triton_only(Q.quantize_columnwise, x)),
             ("weight_1x32_both", "colrow", lambda: Q.quantize_dual(x)),
             ("weight_1x32_both_triton", "colrow", lambda: _triton_only(Q.quantize_dual, x)),
+            ("weight_1x32_both_blocked", "colrow", lambda: Q.quantize_dual(x, scale_layout="blocked")),
             ("weight_32x32_both", "colrow32", lambda: Q.quantize_32x32(x)),
             ("weight_32x32_both_triton", "colrow32", lambda: _triton_only(Q.quantize_32x32, x)),
             ("weight_32x32_both_sm90", "colrow32", lambda: Q.quantize_32x32(x, scale_layout="sm90")),
@@ -222,11 +225,11 @@ def check(name: str, x: torch.Tensor, out) -> None:
             want = [(out[0][:, :256], c.data.mT), (out[1][:, :8], c.scale.mT)]
     elif name.startswith(("dual", "weight_1x32_both")):  # both outputs (a tile config can break either one)
         r, c = quantize(sub, axis=-1), quantize(sub, axis=-2)
-        want = [(out[0][:sub.shape[0]], r.data), (out[1][:sub.shape[0]], r.scale)]
-        if x.dim() == 3:
-            want += [(out[2][:2], c.data.mT), (out[3][:2], c.scale.mT)]
-        else:
-            want += [(out[2][:, :256], c.data.mT), (out[3][:, :8], c.scale.mT)]
+        cols = (slice(None), slice(256)) if x.dim() == 2 else (slice(2),)
+        want = [(out[0][:sub.shape[0]], r.data), (out[2][cols], c.data.mT)]
+        if not name.endswith(("_blocked", "_sm90")):  # other scale layouts: checked by the tests
+            want += [(out[1][:sub.shape[0]], r.scale),
+                     (out[3][cols[:-1] + (slice(8),)] if x.dim() == 2 else out[3][:2], c.scale.mT)]
     elif name in ("weight_32x32_both", "weight_32x32_both_triton"):
         r = quantize(sub, axis=-1, block=(32, 32))
         want = [(out[0][:2], r.data), (out[1][:2], r.scale), (out[2][:2], r.data.mT)]

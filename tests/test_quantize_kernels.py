@@ -426,6 +426,7 @@ def test_gluon_launch_contract(monkeypatch):
         g = Q._GLUON_TILES["dual" if kw["ROW"] else "col"]
         assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
         assert grid == (x3.shape[0] * -(-m_cover // (32 * g["MB"])) * -(-k_cover // g["BK"]),)
+        assert kw["K_FAST"] == (kw["ROW"] != 0 and kw["COL"] == 1)  # k-tiles fastest: row output + E4M3 columns
         return out, (qc, sc, qr, sr, m_cover, k_cover, sc_b, sr_b), kw
 
     x = torch.randn(3, 96, 200, dtype=torch.bfloat16)  # K = 200: not a multiple of the tile

@@ -156,6 +156,15 @@ def _gluon():
 # 97.9 / 97.7% (4 elements: 96.7 / 96.4%).
 _GLUON_VEC = 8
 
+# Tile order of the Gluon kernel: k-tiles fastest when it writes E4M3 columns and a row output (quantize_dual,
+# quantize_32x32, qdq_dual). A tile writes 4 scale bytes per row; in M-fastest order the next 4 bytes of that row
+# come from a program n_m launches later, so 32-byte scale sectors were written in pieces far apart in time.
+# One H200 run, the same code with and without (results/h200/quantize_kfast_ab_s8.json), % of copy: dual
+# 69 / 63 / 73 -> 76 / 77 / 76 on the three activation shapes, blocked +1 to 2, weights 70 -> 74; qdq_dual
+# +2 / -2 / +2; the BF16 column output (qdq_dual_bf16) and columnwise alone lose up to 4 and keep M-fastest.
+def _gluon_k_fast(row: int, col: int) -> bool:
+    return row != 0 and col == 1
+
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
                   tile32: bool = False):
@@ -169,7 +178,8 @@ def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, ro
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
         M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
         0 if sr is None else sr[0].numel(), rceil,
-        ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, num_warps=g["WM"] * g["WK"], **g)
+        ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, K_FAST=_gluon_k_fast(row, col),
+        num_warps=g["WM"] * g["WK"], **g)
 
 
 # Groups up to which mx_quantize_grouped_kernel finds a tile's group with a vector sum over the groups (warp-local

@@ -118,9 +118,9 @@ def mx_quantize_cols_kernel(
     x_ptr, qc_ptr, sc_ptr, qr_ptr, sr_ptr, M, K, M_cover, K_cover, stride_xb, stride_xm,
     sc_stride_b, sr_stride_b, rceil,
     ROW: gl.constexpr, COL: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
-    WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr,
+    WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr, K_FAST: gl.constexpr = False,
 ):
-    """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, then k-tiles, then b); WM*WK warps.
+    """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, K_FAST: k-tiles fastest; then b); WM*WK warps.
 
     L_IN: VEC elements per thread along K (16 bytes for 16-bit input), BK/VEC lanes along K, warps [WM, WK] over
     (block, row). L_COL: 32 rows of one block per thread, TM lanes over blocks and 32/TM over
@@ -139,8 +139,12 @@ def mx_quantize_cols_kernel(
     n_m = gl.cdiv(M_cover, BM)
     n_k = gl.cdiv(K_cover, BK)
     pid = gl.program_id(0)
-    tm = pid % n_m
-    tk = (pid // n_m) % n_k
+    if K_FAST:  # k-tiles fastest: neighbouring programs complete a row's scale sectors together
+        tk = pid % n_k
+        tm = (pid // n_k) % n_m
+    else:
+        tm = pid % n_m
+        tk = (pid // n_m) % n_k
     b = (pid // n_m // n_k).to(gl.int64)
 
     # load [MB, 32, BK] in L_IN (zeros past M, K: the padding of blocked scales)
