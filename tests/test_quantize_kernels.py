@@ -427,6 +427,7 @@ def test_gluon_launch_contract(monkeypatch):
         assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
         assert grid == (x3.shape[0] * -(-m_cover // (32 * g["MB"])) * -(-k_cover // g["BK"]),)
         assert kw["K_FAST"] == (kw["ROW"] != 0 and kw["COL"] == 1)  # k-tiles fastest: row output + E4M3 columns
+        assert kw["RS"] == (16 if kw["ROW"] and x.element_size() == 2 else 32)  # rows per thread, column layout
         return out, (qc, sc, qr, sr, m_cover, k_cover, sc_b, sr_b), kw
 
     x = torch.randn(3, 96, 200, dtype=torch.bfloat16)  # K = 200: not a multiple of the tile

@@ -11,9 +11,10 @@ too (shuffles and shared-memory rounds per block, 68% of copy at best). Gluon le
 layouts and convert once, as a transpose does::
 
     x tile [MB, 32, BK] --coalesced 16-byte loads along K (L_IN)--> registers
-        --one convert_layout (shared memory)--> L_COL: a thread holds the 32 rows of one column of
-        one block: the block max is in-thread; TM lanes take TM neighbouring blocks of the same
-        column, so a warp's transposed store writes TM * 32 contiguous bytes of qc[k, :]
+        --one convert_layout (shared memory)--> L_COL: a thread holds RS (32 or 16) rows of one column
+        of one block: the block max is in-thread (RS 16: plus one shuffle between the block's two
+        lanes); TM lanes take TM neighbouring blocks of the same column, so a warp's transposed store
+        writes TM * 32 contiguous bytes of qc[k, :] (RS 16: whole 32-byte sectors per instruction)
 
 The data movement alone (no quantization) runs at 97% of copy in the same design; this kernel at
 86-90% on the H200 (benchmarks/NOTES_quantize.md, session 5).
@@ -119,12 +120,13 @@ def mx_quantize_cols_kernel(
     sc_stride_b, sr_stride_b, rceil,
     ROW: gl.constexpr, COL: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
     WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr, K_FAST: gl.constexpr = False,
+    RS: gl.constexpr = 32,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, K_FAST: k-tiles fastest; then b); WM*WK warps.
 
     L_IN: VEC elements per thread along K (16 bytes for 16-bit input), BK/VEC lanes along K, warps [WM, WK] over
-    (block, row). L_COL: 32 rows of one block per thread, TM lanes over blocks and 32/TM over
-    columns, warps [WM, WK] over (block, column); needs MB % (TM*WM) == 0 and BK % (32/TM*WK) == 0.
+    (block, row). L_COL: RS rows of one block per thread (32/RS lanes per block), TM lanes over blocks and the rest over
+    columns, warps [WM, WK] over (block, column); needs MB % (TM*WM) == 0 and BK % (RS/TM*WK) == 0.
     Outputs, by mode (1: E4M3 data + E8M0 scales, 2: BF16 MX values, i.e. quantize then expand):
     COL 1: qc [B, K, M] + sc (quantize_columnwise); COL 2: qc [B, K, M] bf16 (the transposed QDQ).
     ROW 0: none; 1: qr [B, M, K] + sr [B, M, K/32] (quantize_dual); 2: qr [B, M, K] bf16 (qdq_dual).
@@ -134,7 +136,7 @@ def mx_quantize_cols_kernel(
     """
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
-    L_COL: gl.constexpr = gl.BlockedLayout([1, 32, 1], [TM, 1, 32 // TM], [WM, 1, WK], [1, 0, 2])
+    L_COL: gl.constexpr = gl.BlockedLayout([1, RS, 1], [TM, 32 // RS, 32 // TM // (32 // RS)], [WM, 1, WK], [1, 0, 2])
     BM: gl.constexpr = MB * 32
     n_m = gl.cdiv(M_cover, BM)
     n_k = gl.cdiv(K_cover, BK)
