@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -61,6 +62,7 @@ SWEEP = {  # _TUNED key -> candidate TileConfigs of mx_quantize_kernel
 # Gluon column-family kernel (quantize._GLUON_TILES): (MB, BK, WM, WK, TM), see quantize_gluon.py
 GLUON_SWEEP = [(8, 64, 1, 4, 8), (4, 128, 1, 8, 4), (8, 64, 2, 4, 4), (4, 128, 1, 4, 4), (8, 64, 1, 8, 8),
                (4, 64, 1, 4, 4), (8, 32, 1, 4, 8), (16, 64, 4, 2, 4), (4, 64, 4, 1, 1)]
+GLUON_SWEEP_RS = (32, 16)  # rows per thread in the column layout, each tile of GLUON_SWEEP with both
 
 DEV = "cuda"
 CUDAGRAPH = False  # --cudagraph
@@ -136,7 +138,7 @@ def gluon_name(row: bool) -> str:
     """The Gluon column kernel's current tile (quantize._GLUON_TILES; ``row``: with a rowwise output)
     as a config label."""
     g = Q._GLUON_TILES["dual" if row else "col"]
-    return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}"
+    return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}"
 
 
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
@@ -452,8 +454,10 @@ def main():
                     and kernel_config(name, key, x).startswith("gluon"):
                 tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual"]
                 saved = dict(tile)
-                for MB, BK, WM, WK, TM in GLUON_SWEEP:
-                    tile.update(MB=MB, BK=BK, WM=WM, WK=WK, TM=TM)
+                for (MB, BK, WM, WK, TM), RS in itertools.product(GLUON_SWEEP, GLUON_SWEEP_RS):
+                    if TM > RS or BK % (RS // TM * WK):
+                        continue  # the column layout needs RS/TM lanes per warp along K to tile BK
+                    tile.update(MB=MB, BK=BK, WM=WM, WK=WK, TM=TM, RS=RS)
                     if tile == saved:
                         continue  # timed below as "auto"
                     try:
@@ -463,7 +467,7 @@ def main():
                         del out
                         record(name, shape, total, bench_ms(fn), config="sweep " + kernel_config(name, key, x))
                     except Exception as e:  # noqa: BLE001
-                        print(f"sweep {name} gluon {MB, BK, WM, WK, TM}: {type(e).__name__}: {e}", flush=True)
+                        print(f"sweep {name} gluon {MB, BK, WM, WK, TM, RS}: {type(e).__name__}: {e}", flush=True)
                 tile.update(saved)
             if args.sweep and key is not None and name in SWEPT:
                 saved = Q._TUNED.get(key)

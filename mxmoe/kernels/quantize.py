@@ -121,7 +121,13 @@ _TUNED: dict[str, TileConfig] = {
 # activations, 70-85% on weights (the old 256x64/w8/tm4: 48-68%, 64-80%). On the two large activation
 # shapes a persistent grid with a register prefetch of the next tile was no faster for columnwise and
 # 4-36 points slower for dual.
-_GLUON_TILES = {"col": dict(MB=8, BK=64, WM=1, WK=4, TM=8), "dual": dict(MB=4, BK=128, WM=1, WK=8, TM=4)}
+# RS: rows of a 32-row block per thread in the column layout. 16 for the dual tile (two lanes per block, one
+# shuffle for its max; each warp store then writes whole 32-byte sectors of the transposed output instead of
+# halves); FP32 input always takes 32. One H200, same call, CUDA-graph replays (results/h200/quantize_rs_ab_s8.json),
+# % of copy: dual 77 / 78 / 80 -> 82 / 83 / 84, qdq_dual +3, qdq_dual_bf16 77-80 -> 90-92, weights both
+# orientations 75 / 80 -> 81 / 87 (32x32: 74 / 78 -> 79 / 84), FP32 unchanged. With RS 16 the columnwise tile
+# lost 5-10 points (do_bench), and so did FP32 input.
+_GLUON_TILES = {"col": dict(MB=8, BK=64, WM=1, WK=4, TM=8, RS=32), "dual": dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=16)}
 
 
 def _use_gluon(x3: torch.Tensor) -> bool:
@@ -166,30 +172,22 @@ def _gluon_k_fast(row: int, col: int) -> bool:
     return row != 0 and col == 1
 
 
-# Rows of a 32-row block per thread in the Gluon kernel's column layout (RS): 16 for the dual tile with 16-bit
-# input (two lanes per block, one shuffle for its max; each warp store then writes whole 32-byte sectors of the
-# transposed output instead of halves), 32 otherwise. One H200, same call, CUDA-graph replays
-# (results/h200/quantize_rs_ab_s8.json), % of copy: dual 77 / 78 / 80 -> 82 / 83 / 84, qdq_dual +3,
-# qdq_dual_bf16 77-80 -> 90-92, weights both orientations 75 / 80 -> 81 / 87 (32x32: 74 / 78 -> 79 / 84), FP32
-# unchanged. The columnwise tile lost 5-10 points with RS 16 (do_bench), and so did FP32 input; they keep 32.
-def _gluon_rows_per_thread(row: int, x3: torch.Tensor) -> int:
-    return 16 if row and x3.element_size() == 2 else 32
-
-
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
                   tile32: bool = False):
     """Run quantize_gluon.mx_quantize_cols_kernel on x3 [B, M, K] over [m_cover, k_cover]; row / col
     are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None); tile32: one
     scale per 32x32 tile."""
     B, M, K = x3.shape
-    g = _GLUON_TILES["dual" if row else "col"]
+    g = dict(_GLUON_TILES["dual" if row else "col"])
+    if x3.element_size() != 2:
+        g["RS"] = 32
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
     _gluon().mx_quantize_cols_kernel[(n_tiles,)](
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
         M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
         0 if sr is None else sr[0].numel(), rceil,
         ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, K_FAST=_gluon_k_fast(row, col),
-        RS=_gluon_rows_per_thread(row, x3), num_warps=g["WM"] * g["WK"], **g)
+        num_warps=g["WM"] * g["WK"], **g)
 
 
 # Groups up to which mx_quantize_grouped_kernel finds a tile's group with a vector sum over the groups (warp-local
