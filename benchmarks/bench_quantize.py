@@ -61,7 +61,8 @@ SWEEP = {  # _TUNED key -> candidate TileConfigs of mx_quantize_kernel
 
 # Gluon column-family kernel (quantize._GLUON_TILES): (MB, BK, WM, WK, TM), see quantize_gluon.py
 GLUON_SWEEP = [(8, 64, 1, 4, 8), (4, 128, 1, 8, 4), (8, 64, 2, 4, 4), (4, 128, 1, 4, 4), (8, 64, 1, 8, 8),
-               (4, 64, 1, 4, 4), (8, 32, 1, 4, 8), (16, 64, 4, 2, 4), (4, 64, 4, 1, 1)]
+               (4, 64, 1, 4, 4), (8, 32, 1, 4, 8), (16, 64, 4, 2, 4), (4, 64, 4, 1, 1),
+               (4, 256, 1, 16, 4), (8, 128, 1, 16, 4)]  # 16 warps: 8-byte scale runs along K / along M
 GLUON_SWEEP_RS = (32, 16)  # rows per thread in the column layout, each tile of GLUON_SWEEP with both
 
 DEV = "cuda"
