@@ -423,7 +423,8 @@ def test_gluon_launch_contract(monkeypatch):
         x3, qc, sc, qr, sr, M, K, m_cover, k_cover, sxb, sxm, sc_b, sr_b, rceil = args
         assert x3.data_ptr() == x.data_ptr() and (M, K) == tuple(x.shape[-2:]) and (sxb, sxm) == tuple(x3.stride()[:2])
         assert rceil == 1 and kw["VEC"] == 8  # 8 elements per thread per load, FP32 included
-        g = dict(Q._GLUON_TILES["dual" if kw["ROW"] else "col"], **({} if x.element_size() == 2 else {"RS": 32}))
+        g = Q._gluon_tile(kw["ROW"], x3)
+        assert g["RS"] == 32 or x.element_size() == 2  # FP32 input: 32 rows per thread in the column layout
         assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
         assert grid == (x3.shape[0] * -(-m_cover // (32 * g["MB"])) * -(-k_cover // g["BK"]),)
         assert kw["K_FAST"] == (kw["ROW"] != 0 and kw["COL"] == 1)  # k-tiles fastest: row output + E4M3 columns

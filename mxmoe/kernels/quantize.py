@@ -166,10 +166,18 @@ _GLUON_VEC = 8
 # quantize_32x32, qdq_dual). A tile writes 4 scale bytes per row; in M-fastest order the next 4 bytes of that row
 # come from a program n_m launches later, so 32-byte scale sectors were written in pieces far apart in time.
 # One H200 run, the same code with and without (results/h200/quantize_kfast_ab_s8.json), % of copy: dual
-# 69 / 63 / 73 -> 76 / 77 / 76 on the three activation shapes, blocked +1 to 2, weights 70 -> 74; qdq_dual
-# +2 / -2 / +2; the BF16 column output (qdq_dual_bf16) and columnwise alone lose up to 4 and keep M-fastest.
+# 69 / 63 / 73 -> 75.5 / 76.5 / 76 on the three activation shapes, blocked -0.5 to +1.5, weights 70 -> 74;
+# qdq_dual +2 / -2 / +2; the BF16 column output (qdq_dual_bf16) and columnwise alone lose up to 4 and keep M-fastest.
 def _gluon_k_fast(row: int, col: int) -> bool:
     return row != 0 and col == 1
+
+
+def _gluon_tile(row: int, x3: torch.Tensor) -> dict:
+    """The Gluon kernel's tile for x3: _GLUON_TILES' "dual" (with a row output) or "col", RS 32 for FP32."""
+    g = dict(_GLUON_TILES["dual" if row else "col"])
+    if x3.element_size() != 2:
+        g["RS"] = 32
+    return g
 
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
@@ -178,9 +186,7 @@ def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, ro
     are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None); tile32: one
     scale per 32x32 tile."""
     B, M, K = x3.shape
-    g = dict(_GLUON_TILES["dual" if row else "col"])
-    if x3.element_size() != 2:
-        g["RS"] = 32
+    g = _gluon_tile(row, x3)
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
     _gluon().mx_quantize_cols_kernel[(n_tiles,)](
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,

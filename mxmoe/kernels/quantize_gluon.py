@@ -126,7 +126,7 @@ def mx_quantize_cols_kernel(
 
     L_IN: VEC elements per thread along K (16 bytes for 16-bit input), BK/VEC lanes along K, warps [WM, WK] over
     (block, row). L_COL: RS rows of one block per thread (32/RS lanes per block), TM lanes over blocks and the rest over
-    columns, warps [WM, WK] over (block, column); needs MB % (TM*WM) == 0 and BK % (RS/TM*WK) == 0.
+    columns, warps [WM, WK] over (block, column); needs TM <= RS, MB % (TM*WM) == 0 and BK % (RS/TM*WK) == 0.
     Outputs, by mode (1: E4M3 data + E8M0 scales, 2: BF16 MX values, i.e. quantize then expand):
     COL 1: qc [B, K, M] + sc (quantize_columnwise); COL 2: qc [B, K, M] bf16 (the transposed QDQ).
     ROW 0: none; 1: qr [B, M, K] + sr [B, M, K/32] (quantize_dual); 2: qr [B, M, K] bf16 (qdq_dual).
@@ -157,7 +157,7 @@ def mx_quantize_cols_kernel(
         _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
                  TILE32)
 
-    # columns: one layout conversion, then everything per thread
+    # columns: one layout conversion, then per thread (RS 16: the block max takes one shuffle between two lanes)
     xf = _to_f32(gl.convert_layout(x, L_COL))
     amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # [MB, BK]
     if TILE32:  # the max over each tile's 32 columns, spread back over them
