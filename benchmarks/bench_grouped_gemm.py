@@ -274,11 +274,17 @@ def main():
     ap.add_argument("--balances", default="balanced,skewed")
     ap.add_argument("--split", type=int, choices=(0, 1), default=None,
                     help="override: 1 = one partition per consumer warpgroup, 0 = one 8-warp consumer partition")
+    ap.add_argument("--block-k", type=int, default=None,
+                    help="override: contraction depth per shared-memory stage (multiple of 32; 256 halves the "
+                         "stage drains, needs --stages 3: 210-221 KB of shared memory, compiles offline)")
+    ap.add_argument("--stages", type=int, default=None, help="override: shared-memory ring depth")
     ap.add_argument("--ablation", action="store_true", help="only the promotion ablation (see run_ablation)")
     args = ap.parse_args()
     global CONFIG
-    if args.split is not None:
-        CONFIG = Sm90TileConfig(split_wg=bool(args.split))
+    over = {k: v for k, v in (("split_wg", None if args.split is None else bool(args.split)),
+                              ("block_k", args.block_k), ("stages", args.stages)) if v is not None}
+    if over:
+        CONFIG = Sm90TileConfig(**over)
     import triton
     if args.ablation:
         rows = run_ablation(args.quick)
