@@ -31,7 +31,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 # The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
-from mxmoe.kernels.quantize_triton import _e8m0_from_amax_bits, _quantize_elems, _store_scales, _to_f32
+from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _quantize_elems, _store_scales,
+                                           _tile_coords, _to_f32)
 
 
 @gluon.jit
@@ -141,13 +142,9 @@ def mx_quantize_cols_kernel(
     n_m = gl.cdiv(M_cover, BM)
     n_k = gl.cdiv(K_cover, BK)
     pid = gl.program_id(0)
-    if K_FAST:  # k-tiles fastest: neighbouring programs complete a row's scale sectors together
-        tk = pid % n_k
-        tm = (pid // n_k) % n_m
-    else:
-        tm = pid % n_m
-        tk = (pid // n_m) % n_k
-    b = (pid // n_m // n_k).to(gl.int64)
+    t = _k_fastest(pid, gl.num_programs(0), n_m, n_k) if K_FAST else pid  # one program per tile
+    b, tm, tk = _tile_coords(t, n_m, n_k)  # the Triton kernel's tile orders
+    b = b.to(gl.int64)
 
     # load [MB, 32, BK] in L_IN (zeros past M, K: the padding of blocked scales)
     m, k = _tile_index(tm, tk, MB, BK, L_IN)
