@@ -228,11 +228,10 @@ def check(name: str, x: torch.Tensor, out) -> None:
             want = [(out[0][:, :256], c.data.mT), (out[1][:, :8], c.scale.mT)]
     elif name.startswith(("dual", "weight_1x32_both")):  # both outputs (a tile config can break either one)
         r, c = quantize(sub, axis=-1), quantize(sub, axis=-2)
-        cols = (slice(None), slice(256)) if x.dim() == 2 else (slice(2),)
+        cols, scols = ((slice(None), slice(256)), (slice(None), slice(8))) if x.dim() == 2 else ((slice(2),),) * 2
         want = [(out[0][:sub.shape[0]], r.data), (out[2][cols], c.data.mT)]
         if not name.endswith(("_blocked", "_sm90")):  # other scale layouts: checked by the tests
-            want += [(out[1][:sub.shape[0]], r.scale),
-                     (out[3][cols[:-1] + (slice(8),)] if x.dim() == 2 else out[3][:2], c.scale.mT)]
+            want += [(out[1][:sub.shape[0]], r.scale), (out[3][scols], c.scale.mT)]
     elif name.startswith("weight_32x32_both"):
         r = quantize(sub, axis=-1, block=(32, 32))
         want = [(out[0][:2], r.data), (out[2][:2], r.data.mT)]
