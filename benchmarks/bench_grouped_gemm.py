@@ -37,7 +37,7 @@ from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
     sm90_mxfp8_k_grouped_gemm,
     sm90_mxfp8_m_grouped_gemm,
 )
-from mxmoe.kernels.sm90_tile_config import Sm90TileConfig  # noqa: E402
+from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config  # noqa: E402
 
 CONFIG = None  # tile configuration override (--split), None = the heuristic's choice
 
@@ -131,6 +131,11 @@ def check_and_time(fn, rel_err, quick: bool) -> tuple[float, float]:
     return err, bench(fn, quick)
 
 
+def tile_name(cfg: Sm90TileConfig) -> str:
+    """BMxBNxBK/stages of the tile configuration a row ran with."""
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.stages}"
+
+
 def run_case(shape, proj, balance, quick, gen):
     E, M, hidden, ffn = SHAPES[shape]
     N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
@@ -157,6 +162,7 @@ def run_case(shape, proj, balance, quick, gen):
         for wb in (1, 32):
             sb = rand_scale_32x32(E, n_out, k_red // 32) if wb == 32 else rand_scale(E, n_out, k_red // 32)
             row = dict(base, **{"pass": pas, "weights": "1x32" if wb == 1 else "32x32"})
+            row["tile"] = tile_name(CONFIG or sm90_tile_config(M, n_out, k_red, E, weight_block=wb))
             try:
                 fn = lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=CONFIG)  # noqa: E731
                 err = lambda out: m_grouped_rel_err(out, a, sa, b, sb, counts, gen)  # noqa: E731
@@ -189,6 +195,7 @@ def run_case(shape, proj, balance, quick, gen):
     b = rand_fp8(K, M)
     sb = rand_scale(K, M // 32)
     row = dict(base, **{"pass": "wgrad", "weights": "1x32"})
+    row["tile"] = tile_name(CONFIG or sm90_tile_config(N, K, M, E, k_grouped=True))
     try:
         a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
         ms_bf16 = bench(lambda: torch._grouped_mm(a16, b16.transpose(0, 1), offs=offs), quick)
@@ -290,7 +297,7 @@ def main():
         rows = run_ablation(args.quick)
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           config=repr(CONFIG or Sm90TileConfig()), ablation=rows), f, indent=1)
+                           config=repr(CONFIG) if CONFIG else "sm90_tile_config", ablation=rows), f, indent=1)
         return
     gen = torch.Generator().manual_seed(0)
     print(HEADER, flush=True)
@@ -298,7 +305,7 @@ def main():
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, triton=triton.__version__, tflops_formula="2*M*N*K/time",
                   timing="triton.testing.do_bench median", fp8_rowwise="torch._scaled_grouped_mm, use_fast_accum=False",
-                  quick=args.quick, config=repr(CONFIG or Sm90TileConfig()), rows=rows)
+                  quick=args.quick, config=repr(CONFIG) if CONFIG else "sm90_tile_config (per row: tile)", rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for shape in args.shapes.split(","):
         for proj in ("up", "down"):

@@ -72,10 +72,10 @@ def _k_grouped_case(counts, N, K, extra_tokens=0, device="cuda", seed=0):
     return a, b, offs, ref
 
 
-def _run_m(a, b, offs, out_dtype, weight_block):
+def _run_m(a, b, offs, out_dtype, weight_block, config=None):
     out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=out_dtype, device=a.device)
     return sm90_mxfp8_m_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, out_dtype=out_dtype,
-                                     weight_block=weight_block, out=out)
+                                     weight_block=weight_block, out=out, config=config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,6 +129,19 @@ def test_fit_box_pads_only_small_operands():
     assert padded.view(torch.uint8)[100:].sum() == 0 and padded.view(torch.uint8)[:, 96:].sum() == 0
 
 
+def test_tile_config_deep_stages_only_for_32x32_m_grouped():
+    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config
+    deep = sm90_tile_config(16384, 2048, 4096, 8, weight_block=32)
+    assert (deep.block_k, deep.stages) == (256, 3)
+    default = Sm90TileConfig()
+    assert sm90_tile_config(16384, 2048, 4096, 8, weight_block=1) == default
+    assert sm90_tile_config(16384, 2048, 1408, 8, weight_block=32) == default  # K not a multiple of 256
+    assert sm90_tile_config(2048, 4096, 16384, 8, k_grouped=True) == default
+    # shared memory of one stage at BK 256: A + B tiles of FP8 and the FP32 scale boxes, x stages
+    smem = deep.stages * ((deep.block_m + deep.block_n) * deep.block_k + 4 * (deep.block_k // 32) * (deep.block_m + 8))
+    assert smem <= 227 * 1024, smem
+
+
 def test_argument_checks_before_launch():
     a = quantize(torch.randn(64, 64))
     b = quantize(torch.randn(2, 32, 64))
@@ -173,6 +186,21 @@ def test_m_grouped_matches_fp64(case, weight_block):
     err16 = _rel_err(out16[:rows], ref[:rows])
     assert err16 <= TOL_BF16_OUT, err16
     print(f"m_grouped counts={counts[:6]} N={N} K={K} wb={weight_block}: rel_err fp32={err32:.2e} bf16={err16:.2e}")
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_block", [1, 32])
+@pytest.mark.parametrize("case", [M_CASES[1], M_CASES[2], M_CASES[0]])
+def test_m_grouped_deep_stages_match_fp64(case, weight_block):
+    """BK 256 x 3 stages (the 32x32 default for K % 256 == 0) forced on every weight variant, tails
+    of 4 and 5 MX steps included (K 1408, 1440), against the same FP64 reference."""
+    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
+    counts, N, K, extra = case
+    a, b, offs, ref, rows = _m_grouped_case(counts, N, K, weight_block, extra, seed=7)
+    out = _run_m(a, b, offs, torch.float32, weight_block, config=Sm90TileConfig(block_k=256, stages=3))
+    assert not out[:rows].isnan().any(), "a valid row was not written"
+    assert _rel_err(out[:rows], ref[:rows]) <= TOL_FP32_OUT
 
 
 @sm90

@@ -598,7 +598,7 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         raise ValueError(f"out must be a contiguous [{M}, {N}] {out_dtype} tensor")
     if M == 0 or N == 0 or E == 0:
         return out
-    cfg = config or sm90_tile_config(M, N, K, E)
+    cfg = config or sm90_tile_config(M, N, K, E, weight_block=weight_block)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     KB = BK // MX_BLOCK
 
