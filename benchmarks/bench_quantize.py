@@ -456,7 +456,7 @@ def main():
             del out
             if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both", "weight_32x32_both") \
                     and kernel_config(name, key, x).startswith("gluon"):
-                tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual"]
+                tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual", x.element_size()]
                 saved = dict(tile)
                 for (MB, BK, WM, WK, TM), RS in itertools.product(GLUON_SWEEP, GLUON_SWEEP_RS):
                     if TM > RS or BK % (RS // TM * WK):

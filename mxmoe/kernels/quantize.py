@@ -115,19 +115,24 @@ _TUNED: dict[str, TileConfig] = {
 
 
 # Gluon column-family kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
-# in the column layout; one tile for the column output alone ("col") and one with the rowwise output
-# too ("dual"), from two sweeps of 10-11 tiles on an H200, 2026-11-30 (NOTES_quantize.md, session 6).
-# % of copy per shape: "col" 86-92% (TM 4: 81-88%, TM 1: 47-57%; Triton 67-70%); "dual" 61-73% on
-# activations, 70-85% on weights (the old 256x64/w8/tm4: 48-68%, 64-80%). On the two large activation
-# shapes a persistent grid with a register prefetch of the next tile was no faster for columnwise and
-# 4-36 points slower for dual.
-# RS: rows of a 32-row block per thread in the column layout. 16 for the dual tile (two lanes per block, one
-# shuffle for its max; each warp store then writes whole 32-byte sectors of the transposed output instead of
-# halves); FP32 input always takes 32. One H200, same call, CUDA-graph replays (results/h200/quantize_rs_ab_s8.json),
-# % of copy: dual 77 / 78 / 80 -> 82 / 83 / 84, qdq_dual +3, qdq_dual_bf16 77-80 -> 90-92, weights both
-# orientations 75 / 80 -> 81 / 87 (32x32: 74 / 78 -> 79 / 84), FP32 unchanged. With RS 16 the columnwise tile
-# lost 5-10 points (do_bench), and so did FP32 input.
-_GLUON_TILES = {"col": dict(MB=8, BK=64, WM=1, WK=4, TM=8, RS=32), "dual": dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=16)}
+# in the column layout, RS rows of a 32-row block per thread there. One tile per output family -- the column
+# output alone ("col") or with the rowwise output too ("dual") -- and input width (2: BF16/FP16, 4: FP32), from
+# sweeps on an H200, 2026-11-30 (NOTES_quantize.md, sessions 6, 8, 9).
+# RS 16 (two lanes per block, one shuffle for its max) makes each warp store write whole 32-byte sectors of the
+# transposed output instead of halves; FP32 input keeps 32.
+# - "dual", 16-bit: same call, CUDA-graph replays (results/h200/quantize_rs_ab_s8.json), RS 32 -> 16, % of copy:
+#   dual 77 / 78 / 80 -> 82 / 83 / 84, qdq_dual +3, qdq_dual_bf16 77-80 -> 90-92, weights both orientations
+#   75 / 80 -> 81 / 87 (32x32: 74 / 78 -> 79 / 84).
+# - "col", 16-bit: 128x128/w4/tm4 with RS 16, the best of 22 tiles (11 x RS 32/16) in a do_bench sweep
+#   (results/h200/quantize_col_sweep_s9.json): columnwise 94.9 / 94.9 / 92.9% on the three activation shapes,
+#   weights 97.4 / 99.4%, against 89.0 / 89.3 / 86.8 and 90.2 / 92.2 for the session-6 tile 256x64/w4/tm8/rs32,
+#   which lost 5-10 points with RS 16 alone (session 8); FP32 keeps it (columnwise 97-98%).
+_GLUON_TILES = {
+    ("col", 2): dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16),
+    ("col", 4): dict(MB=8, BK=64, WM=1, WK=4, TM=8, RS=32),
+    ("dual", 2): dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=16),
+    ("dual", 4): dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=32),
+}
 
 
 def _use_gluon(x3: torch.Tensor) -> bool:
@@ -173,11 +178,8 @@ def _gluon_k_fast(row: int, col: int) -> bool:
 
 
 def _gluon_tile(row: int, x3: torch.Tensor) -> dict:
-    """The Gluon kernel's tile for x3: _GLUON_TILES' "dual" (with a row output) or "col", RS 32 for FP32."""
-    g = dict(_GLUON_TILES["dual" if row else "col"])
-    if x3.element_size() != 2:
-        g["RS"] = 32
-    return g
+    """The Gluon kernel's tile for x3: _GLUON_TILES' "dual" (with a row output) or "col", by input width."""
+    return dict(_GLUON_TILES[("dual" if row else "col", 2 if x3.element_size() == 2 else 4)])
 
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
