@@ -21,6 +21,7 @@ MoE layer pads groups to 32), as the wgrad kernel and the peers require.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -39,7 +40,7 @@ from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
 )
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config  # noqa: E402
 
-CONFIG = None  # tile configuration override (--split), None = the heuristic's choice
+OVERRIDE: dict = {}  # tile fields set on the command line (--split, --block-k, --stages), over the heuristic's choice
 
 # name: (local experts E, routed rows M, hidden, expert FFN)
 SHAPES = {
@@ -131,6 +132,12 @@ def check_and_time(fn, rel_err, quick: bool) -> tuple[float, float]:
     return err, bench(fn, quick)
 
 
+def tile_for(m: int, n: int, k: int, num_groups: int, weight_block: int = 1, k_grouped: bool = False) -> Sm90TileConfig:
+    """The tile a case runs with: the library's heuristic (sm90_tile_config), with OVERRIDE's fields on top."""
+    return dataclasses.replace(sm90_tile_config(m, n, k, num_groups, k_grouped=k_grouped, weight_block=weight_block),
+                               **OVERRIDE)
+
+
 def tile_name(cfg: Sm90TileConfig) -> str:
     """BMxBNxBK/stages of the tile configuration a row ran with."""
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}/s{cfg.stages}"
@@ -162,9 +169,10 @@ def run_case(shape, proj, balance, quick, gen):
         for wb in (1, 32):
             sb = rand_scale_32x32(E, n_out, k_red // 32) if wb == 32 else rand_scale(E, n_out, k_red // 32)
             row = dict(base, **{"pass": pas, "weights": "1x32" if wb == 1 else "32x32"})
-            row["tile"] = tile_name(CONFIG or sm90_tile_config(M, n_out, k_red, E, weight_block=wb))
+            cfg = tile_for(M, n_out, k_red, E, weight_block=wb)
+            row["tile"] = tile_name(cfg)
             try:
-                fn = lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=CONFIG)  # noqa: E731
+                fn = lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=cfg)  # noqa: E731
                 err = lambda out: m_grouped_rel_err(out, a, sa, b, sb, counts, gen)  # noqa: E731
                 row["rel_err"], ms = check_and_time(fn, err, quick)
                 row.update(ms=ms, tflops=tfl(ms), bf16_tflops=tfl(ms_bf16), fp8_rowwise_tflops=tfl(ms_fp8))
@@ -173,7 +181,7 @@ def run_case(shape, proj, balance, quick, gen):
                     # One dense GEMM of the same total size: all M rows against expert 0's weight.
                     one = torch.tensor([M], dtype=torch.int32, device="cuda")
                     ms_d = bench(lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b[:1], sb[:1], one, weight_block=wb,
-                                                                       config=CONFIG),
+                                                                       config=cfg),
                                  quick)
                     row["dense_tflops"] = tfl(ms_d)
                     row["grouped_over_dense"] = ms_d / ms
@@ -195,7 +203,8 @@ def run_case(shape, proj, balance, quick, gen):
     b = rand_fp8(K, M)
     sb = rand_scale(K, M // 32)
     row = dict(base, **{"pass": "wgrad", "weights": "1x32"})
-    row["tile"] = tile_name(CONFIG or sm90_tile_config(N, K, M, E, k_grouped=True))
+    cfg = tile_for(N, K, M, E, k_grouped=True)
+    row["tile"] = tile_name(cfg)
     try:
         a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
         ms_bf16 = bench(lambda: torch._grouped_mm(a16, b16.transpose(0, 1), offs=offs), quick)
@@ -208,7 +217,7 @@ def run_case(shape, proj, balance, quick, gen):
         except Exception as exc:
             ms_fp8 = float("nan")
             row["fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        fn = lambda: sm90_mxfp8_k_grouped_gemm(a, sa, b, sb, offs, check_offsets=False, config=CONFIG)  # noqa: E731
+        fn = lambda: sm90_mxfp8_k_grouped_gemm(a, sa, b, sb, offs, check_offsets=False, config=cfg)  # noqa: E731
         err = lambda out: k_grouped_rel_err(out, a, sa, b, sb, counts, gen)  # noqa: E731
         row["rel_err"], ms = check_and_time(fn, err, quick)
         row.update(ms=ms, tflops=tfl(ms), bf16_tflops=tfl(ms_bf16), fp8_rowwise_tflops=tfl(ms_fp8))
@@ -243,12 +252,13 @@ def run_ablation(quick: bool) -> list[dict]:
         a, sa, b = rand_fp8(M, K), rand_scale(M, K // 32), rand_fp8(E, N, K)
         for wb in (1, 32):
             sb = rand_scale_32x32(E, N, K // 32) if wb == 32 else rand_scale(E, N, K // 32)
+            cfg = tile_for(M, N, K, E, weight_block=wb)
             for ablate in (0, 1, 2):
                 kern._ABLATE = ablate
-                ms = bench(lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=CONFIG),
+                ms = bench(lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=cfg),
                            quick)
                 row = dict(shape=shape, proj=proj, weights="1x32" if wb == 1 else "32x32", ablate=ablate, ms=ms,
-                           tflops=2.0 * M * N * K / (ms * 1e-3) / 1e12)
+                           tflops=2.0 * M * N * K / (ms * 1e-3) / 1e12, tile=tile_name(cfg))
                 print(f"ablation {shape:<14}{proj:<5}{row['weights']:<6} ablate={ablate} {row['tflops']:7.0f} TFLOP/s",
                       flush=True)
                 rows.append(row)
@@ -282,22 +292,22 @@ def main():
     ap.add_argument("--split", type=int, choices=(0, 1), default=None,
                     help="override: 1 = one partition per consumer warpgroup, 0 = one 8-warp consumer partition")
     ap.add_argument("--block-k", type=int, default=None,
-                    help="override: contraction depth per shared-memory stage (multiple of 32; 256 halves the "
-                         "stage drains, needs --stages 3: 210-221 KB of shared memory, compiles offline)")
-    ap.add_argument("--stages", type=int, default=None, help="override: shared-memory ring depth")
+                    help="override of the heuristic's contraction depth per shared-memory stage (multiple of 32; "
+                         "the heuristic gives 32x32 256 x 3 stages, the rest 128 x 4; 256 needs --stages 3)")
+    ap.add_argument("--stages", type=int, default=None, help="override of the heuristic's shared-memory ring depth")
     ap.add_argument("--ablation", action="store_true", help="only the promotion ablation (see run_ablation)")
     args = ap.parse_args()
-    global CONFIG
+    global OVERRIDE
     over = {k: v for k, v in (("split_wg", None if args.split is None else bool(args.split)),
                               ("block_k", args.block_k), ("stages", args.stages)) if v is not None}
     if over:
-        CONFIG = Sm90TileConfig(**over)
+        OVERRIDE = over
     import triton
     if args.ablation:
         rows = run_ablation(args.quick)
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           config=repr(CONFIG) if CONFIG else "sm90_tile_config", ablation=rows), f, indent=1)
+                           config=f"sm90_tile_config, overrides {OVERRIDE}", ablation=rows), f, indent=1)
         return
     gen = torch.Generator().manual_seed(0)
     print(HEADER, flush=True)
@@ -305,7 +315,7 @@ def main():
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, triton=triton.__version__, tflops_formula="2*M*N*K/time",
                   timing="triton.testing.do_bench median", fp8_rowwise="torch._scaled_grouped_mm, use_fast_accum=False",
-                  quick=args.quick, config=repr(CONFIG) if CONFIG else "sm90_tile_config (per row: tile)", rows=rows)
+                  quick=args.quick, config=f"sm90_tile_config, overrides {OVERRIDE} (per row: tile)", rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for shape in args.shapes.split(","):
         for proj in ("up", "down"):

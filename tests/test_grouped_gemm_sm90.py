@@ -137,7 +137,8 @@ def test_tile_config_deep_stages_only_for_32x32_m_grouped():
     assert sm90_tile_config(16384, 2048, 4096, 8, weight_block=1) == default
     assert sm90_tile_config(16384, 2048, 1408, 8, weight_block=32) == default  # K not a multiple of 256
     assert sm90_tile_config(2048, 4096, 16384, 8, k_grouped=True) == default
-    # shared memory of one stage at BK 256: A + B tiles of FP8 and the FP32 scale boxes, x stages
+    # shared memory of one stage at BK 256: A + B tiles of FP8 and the FP32 scale boxes (A: [KB, BM]; B with
+    # 32x32 weights: [KB, 8], with 1x32 it would be [KB, BN]), x stages
     smem = deep.stages * ((deep.block_m + deep.block_n) * deep.block_k + 4 * (deep.block_k // 32) * (deep.block_m + 8))
     assert smem <= 227 * 1024, smem
 

@@ -462,6 +462,22 @@ def test_gluon_launch_contract(monkeypatch):
     assert xb.data_ptr() == qr.data_ptr() and dt.data_ptr() == qc.data_ptr() and st.shape == (2, 96, 2)
 
 
+def test_gluon_tiles_fit_the_kernel_layouts():
+    """Every tile of quantize._GLUON_TILES meets quantize_gluon's layout rules (its docstring): checked here,
+    on CPU, so a new tile fails before it reaches a GPU."""
+    from mxmoe.kernels import quantize as Q
+
+    assert {fam for fam, _ in Q._GLUON_TILES} == {"col", "dual"} and {w for _, w in Q._GLUON_TILES} == {2, 4}
+    for key, t in Q._GLUON_TILES.items():
+        MB, BK, WM, WK, TM, RS = (t[k] for k in ("MB", "BK", "WM", "WK", "TM", "RS"))
+        assert RS in (8, 16, 32) and TM <= RS and 32 % TM == 0, key
+        assert MB % (TM * WM) == 0 and BK % (RS // TM * WK) == 0, key
+        tpk = BK // Q._GLUON_VEC  # L_IN: lanes along K
+        assert BK % Q._GLUON_VEC == 0 and tpk <= 32 and 32 % tpk == 0, key
+        assert (32 // TM) % (32 // RS) == 0, key  # L_COL: TM x 32/RS x rest lanes = 32
+        assert (key[1] == 4) <= (RS == 32), key  # FP32 input keeps 32 rows per thread (session 8)
+
+
 def test_input_errors():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("CPU tensors are accepted by the interpreter")

@@ -99,7 +99,7 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 _TUNED: dict[str, TileConfig] = {
     "row": TileConfig(32, 256, 4, False),  # 86-96% of copy on every shape (32x512/w8 fell to 61% on 16384x5120)
     "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%); on sm_90 the Gluon kernel runs instead
-    # dual (the Triton path: FP32 input, MXMOE_QUANT_GLUON=0). 32x128/w2 timed faster on two shapes but
+    # dual (the Triton path: MXMOE_QUANT_GLUON=0 or not sm_90). 32x128/w2 timed faster on two shapes but
     # faulted with blocked scales: an LLVM/NVPTX miscompile of its scale index (NOTES_quantize.md, session 5)
     "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
@@ -123,7 +123,8 @@ _TUNED: dict[str, TileConfig] = {
 # - "dual", 16-bit: same call, CUDA-graph replays (results/h200/quantize_rs_ab_s8.json), RS 32 -> 16, % of copy:
 #   dual 77 / 78 / 80 -> 82 / 83 / 84, qdq_dual +3, qdq_dual_bf16 77-80 -> 90-92, weights both orientations
 #   75 / 80 -> 81 / 87 (32x32: 74 / 78 -> 79 / 84).
-# - "col", 16-bit: 128x128/w4/tm4 with RS 16, the best of 22 tiles (11 x RS 32/16) in a do_bench sweep
+# - "col", 16-bit: 128x128/w4/tm4 with RS 16, within 0.1 point (geometric mean) of the best of 22 tiles
+#   (11 x RS 32/16; 256x128/w16/tm4/rs16) in a do_bench sweep and the best on the smallest shape
 #   (results/h200/quantize_col_sweep_s9.json): columnwise 94.9 / 94.9 / 92.9% on the three activation shapes,
 #   weights 97.4 / 99.4%, against 89.0 / 89.3 / 86.8 and 90.2 / 92.2 for the session-6 tile 256x64/w4/tm8/rs32,
 #   which lost 5-10 points with RS 16 alone (session 8); FP32 keeps it (columnwise 97-98%).

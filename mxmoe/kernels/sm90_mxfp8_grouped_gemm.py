@@ -13,16 +13,17 @@ rounding). A NaN scale (0xFF) is a NaN factor.
 
 Kernel structure (one kernel serves both forms; ``K_GROUPED`` picks the tile map)::
 
-    persistent grid, one CTA per SM, tiles BM x BN = 128 x 128, K stages of 128 (4 MX steps)
+    persistent grid, one CTA per SM, tiles BM x BN = 128 x 128, K stages of 128 (4 MX steps; 32x32
+    weights with K % 256 == 0: 3 stages of 256, 8 MX steps, see sm90_tile_config)
 
     producer partition (1 warp, 24 regs)         consumer partitions (2 x 1 warpgroup, 240 regs)
     ---------------------------------------      ---------------------------------------------
     for tile in my tiles:                        for tile in my tiles:
       for stage in tile's K range:                 for stage:
         wait empty[s]   (2 arrivals)                 wait ready[s]
-        expect ready[s]; TMA A, B, sa, sb            4x: wgmma step j -> partial (async);
+        expect ready[s]; TMA A, B, sa, sb            per step j: wgmma step j -> partial (async);
                                                          retire step j-1 (wait(1)); promote it
-                                                     wait(0); promote step 3; arrive empty[s]
+                                                     wait(0); promote the last step; arrive empty[s]
                                                    masked store of its 64 rows of the tile
 
     consumer warpgroup 0 (the default partition) owns rows 0..63 of every tile and warpgroup 1 (a

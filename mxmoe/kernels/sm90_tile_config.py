@@ -12,8 +12,8 @@ Budgets that fix the choices (H200 / sm_90):
   leaving room for the compiler's scratch.
 * BK = 128 = four MX steps per stage: few barrier round-trips, and a stage ends with all its
   wgmmas retired (a wgmma kept in flight across the loop back-edge makes ptxas serialize them).
-  32x32 weights, whose promotion is cheap, take BK = 256 x 3 stages (64 KB + 8 KB per stage,
-  210 KB): half the drains (see :func:`sm90_tile_config`).
+  32x32 weights, whose promotion is cheap, take BK = 256 x 3 stages (64 KB of A and B tiles plus
+  4.25 KB of scale boxes per stage; ptxas reports 210 KB): half the drains (see :func:`sm90_tile_config`).
 * split_wg: each consumer warpgroup is its own partition (own barriers); measured equal to one
   8-warp partition on the H200 (benchmarks/NOTES_grouped_gemm.md), kept for the independence.
 """
@@ -41,9 +41,10 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
 
     32x32 weights (M-grouped) with K a multiple of 256 take 256-deep stages, 3 of them (210 KB of
     shared memory): the wgmma pipeline drains every 8 MX steps instead of 4. Measured on the H200
-    (session 9, ``benchmarks/results/h200/grouped_gemm_bk256_ab_s9.json``): 32x32 fprop / dgrad
-    +5% / +6% (geometric mean over the 8 balanced cases, each +1..+16%); 1x32 lost 11-12% (its
-    promotion, not the drains, is the bound), so it keeps 128 x 4.
+    (session 9, ``benchmarks/results/h200/grouped_gemm_bk256_ab2_s9.json``: two runs of each, alternating,
+    one call): 32x32 fprop +6% (geometric mean over the 8 balanced cases, each +4..+10%), dgrad +4%
+    (-3..+7%). 1x32 lost 11-12% in a first A/B (``grouped_gemm_bk256_ab_s9.json``; its promotion, not
+    the drains, is the bound), so it keeps 128 x 4.
     """
     del m, n, num_groups
     if weight_block == 32 and not k_grouped and k % 256 == 0:
