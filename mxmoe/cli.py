@@ -19,7 +19,7 @@ def _field_comments(cls) -> dict[str, str]:
     return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", src, re.M))
 
 
-def _add_train_parser(sub) -> None:
+def _add_train_parser(sub) -> argparse.ArgumentParser:
     import mxmoe.train as train
 
     p = sub.add_parser("train", help="train bf16 and mxfp8 MoE LMs on stdlib bytes, compare losses",
@@ -32,13 +32,14 @@ def _add_train_parser(sub) -> None:
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None,
                        metavar=type(f.default).__name__.upper(),
                        help=comments.get(f.name, "").replace("%", "%%") + f" (default preset: {f.default!r})")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per job (``train``)."""
     parser = argparse.ArgumentParser(prog="mxmoe", description="MoE training with MXFP8 expert matrix products")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_train_parser(sub)
+    parser.subcommands = {"train": _add_train_parser(sub)}  # for usage errors that print the subcommand's usage
     return parser
 
 
@@ -68,6 +69,6 @@ def main(argv: list[str] | None = None) -> int:
                 except OSError as e:
                     raise ValueError(f"--out {cfg.out!r} cannot be created: {e.strerror}") from None
         except ValueError as e:  # a bad flag combination: a usage error (exit 2), not a traceback
-            parser.error(f"train: {e}")
+            parser.subcommands["train"].error(str(e))
         run(cfg)
     return 0

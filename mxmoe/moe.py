@@ -16,6 +16,7 @@ defined and zero rows add nothing.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -98,8 +99,12 @@ class MoE(nn.Module):
         super().__init__()
         if min(dim, ffn_dim, num_experts) < 1:
             raise ValueError(f"dim, ffn_dim and num_experts must be positive, got {dim}, {ffn_dim}, {num_experts}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
+        if isinstance(top_k, bool):
             raise TypeError(f"top_k must be an int, got {top_k!r}")
+        try:
+            top_k = operator.index(top_k)  # ints, numpy / torch integer scalars
+        except TypeError:
+            raise TypeError(f"top_k must be an int, got {top_k!r}") from None
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k

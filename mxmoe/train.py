@@ -64,12 +64,12 @@ class TrainConfig:
     seq_len: int = 128  # tokens (bytes) per training window = context length
     batch_size: int = 16  # windows per optimizer step (per rank under torchrun)
     # model
-    dim: int = 128  # residual stream width (multiple of 32: experts quantize along it)
+    dim: int = 128  # residual stream width (multiple of 32 under MX recipes: experts quantize along it)
     layers: int = 2  # transformer blocks, each attention + MoE
     heads: int = 4  # attention heads (dim % heads == 0)
     experts: int = 8  # experts per MoE layer (a multiple of the torchrun processes)
     top_k: int = 2  # experts each token is routed to
-    ffn_dim: int = 256  # hidden width of one expert (multiple of 32)
+    ffn_dim: int = 256  # hidden width of one expert (multiple of 32 under MX recipes)
     aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss
     # optimization
     steps: int = 300  # optimizer steps per recipe
@@ -85,8 +85,6 @@ class TrainConfig:
     def __post_init__(self):
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
-        if self.dim % 32 or self.ffn_dim % 32:
-            raise ValueError(f"dim {self.dim} and ffn_dim {self.ffn_dim} must be multiples of 32 (MXFP8 blocks)")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, experts={self.experts}]")
         if min(self.steps, self.eval_every, self.eval_batches, self.batch_size, self.seq_len, self.layers) < 1:
@@ -99,7 +97,18 @@ class TrainConfig:
         if not names:
             raise ValueError("recipes is empty; give e.g. --recipes bf16,mxfp8")
         for name in names:
-            get_recipe(name)  # unknown names fail here, before any training
+            recipe = get_recipe(name)  # unknown names fail here, before any training
+            if recipe.mxfp8 and (self.dim % 32 or self.ffn_dim % 32):
+                raise ValueError(f"recipe {name}: dim {self.dim} and ffn_dim {self.ffn_dim} must be multiples of 32 "
+                                 "(MXFP8 blocks)")
+            if recipe.compute_dtype == "bfloat16" and (self.dim % 8 or self.ffn_dim % 8):
+                raise ValueError(f"recipe {name}: dim {self.dim} and ffn_dim {self.ffn_dim} must be multiples of 8 "
+                                 "(16-byte BF16 rows)")
+        if not (self.lr > 0 and 0 <= self.min_lr_frac <= 1 and self.weight_decay >= 0 and self.grad_clip > 0
+                and self.warmup >= 0):
+            raise ValueError(f"need lr > 0 (got {self.lr}), 0 <= min_lr_frac <= 1 ({self.min_lr_frac}), "
+                             f"weight_decay >= 0 ({self.weight_decay}), grad_clip > 0 ({self.grad_clip}), "
+                             f"warmup >= 0 ({self.warmup})")
         if self.device and self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} asked for, but torch sees no CUDA GPU here")
         if self.compile:
@@ -435,9 +444,10 @@ def plot_losses(metrics: dict, path: Path) -> None:
 def summarize(metrics: dict) -> str:
     """A small table (recipe, final train loss (mean of the last 10 steps), final val loss,
     tokens/s, wall s) and each recipe's relative final val-loss gap to bf16 in %."""
-    rows = [f"{'recipe':<10}{'train loss':>12}{'val loss':>10}{'tokens/s':>11}{'wall s':>8}"]
+    w = max([10] + [len(r) + 1 for r in metrics["recipes"]])  # recipe column: the longest name + 1
+    rows = [f"{'recipe':<{w}}{'train loss':>12}{'val loss':>10}{'tokens/s':>11}{'wall s':>8}"]
     for recipe, m in metrics["recipes"].items():
-        rows.append(f"{recipe:<10}{m['final_train_loss']:>12.4f}{m['val_loss'][-1]:>10.4f}"
+        rows.append(f"{recipe:<{w}}{m['final_train_loss']:>12.4f}{m['val_loss'][-1]:>10.4f}"
                     f"{m['tokens_per_s']:>11,.0f}{m['wall_s']:>8.1f}")
     for recipe, gap in metrics.get("val_gap_vs_bf16_pct", {}).items():
         rows.append(f"{recipe} vs bf16 final val loss: {gap:+.2f}%")

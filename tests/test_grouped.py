@@ -214,6 +214,9 @@ def test_bad_inputs_give_clear_errors(monkeypatch):
         mxmoe.quantize(x, axis=1.0)
     with pytest.raises(TypeError, match="top_k must be an int"):
         mxmoe.MoE(64, 64, 4, 1.5)
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        mxmoe.MoE(64, 64, 4, True)
+    assert type(mxmoe.MoE(64, 64, 4, torch.tensor(3)).top_k) is int  # integer scalars (torch, numpy) are ints
     with pytest.raises(ValueError, match="last dim"):
         mxmoe.MoE(64, 64, 4, 2)(torch.tensor(1.0))
     monkeypatch.setenv("MXMOE_SM90_GEMM", "GLUON")

@@ -171,6 +171,8 @@ def test_config_checks(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError):
         make_config("tiny", ffn_dim=48)
+    cfg = make_config("tiny", dim=96, ffn_dim=72, recipes="fp32,bf16")  # no MX recipe: multiples of 8 suffice
+    assert (cfg.dim, cfg.ffn_dim) == (96, 72)
     with pytest.raises(ValueError):
         make_config("tiny", steps=0)
     with pytest.raises(ValueError):
@@ -186,13 +188,18 @@ def test_config_checks(monkeypatch):
     (["--compile", "nope"], "compile backend 'nope': use one of inductor, cudagraphs, aot_eager, eager"),
     (["--compile", "inductor", "--device", "cpu"], "cannot compile the MX recipes"),
     (["--compile", "cudagraphs", "--device", "cpu"], "needs --device cuda"),
+    (["--lr", "-1"], "need lr > 0 (got -1.0)"),
+    (["--min-lr-frac", "2"], "0 <= min_lr_frac <= 1 (2.0)"),
+    (["--dim", "96", "--ffn-dim", "72", "--recipes", "bf16,mxfp8"], "recipe mxfp8: dim 96 and ffn_dim 72 must be multiples of 32"),
+    (["--dim", "100", "--heads", "4", "--recipes", "fp32,bf16"], "recipe bf16: dim 100 and ffn_dim"),
 ])
 def test_cli_rejects_bad_flags_before_training(flags, msg, capsys, tmp_path):
     from mxmoe.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["train", "--preset", "tiny", "--out", str(tmp_path / "o"), *flags])
-    assert e.value.code == 2 and msg in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "usage: mxmoe train" in err  # the subcommand's usage
     assert not (tmp_path / "o").exists()  # nothing trained, nothing written
 
 
