@@ -132,11 +132,7 @@ class MoE(nn.Module):
     def set_recipe(self, recipe: "str | Recipe") -> None:
         """Switch the expert products' precision recipe (weights are unchanged)."""
         recipe = get_recipe(recipe)
-        if recipe.mxfp8 and (self.dim % 32 or self.ffn_dim % 32):
-            raise ValueError(f"MXFP8 recipes need dim and ffn_dim divisible by 32, got {self.dim} and {self.ffn_dim}")
-        if recipe.compute_dtype == "bfloat16" and (self.dim % 8 or self.ffn_dim % 8):
-            raise ValueError(f"the {recipe.name} recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), "
-                             f"got {self.dim} and {self.ffn_dim}")
+        recipe.check_dims(self.dim, self.ffn_dim)
         self.recipe = recipe
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

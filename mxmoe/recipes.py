@@ -35,6 +35,16 @@ class Recipe:
         if self.mxfp8 and self.align % 32:
             raise ValueError(f"MXFP8 recipes pad expert groups to whole 32-token blocks: align must be a multiple of 32, got {self.align}")
 
+    def check_dims(self, dim: int, ffn_dim: int) -> None:
+        """Raise ValueError unless an MoE layer of width ``dim`` and expert width ``ffn_dim`` can run this
+        recipe: MXFP8 quantizes along both in 32-element blocks; BF16 operands need 16-byte rows."""
+        if self.mxfp8 and (dim % 32 or ffn_dim % 32):
+            raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by 32 (MXFP8 blocks), "
+                             f"got {dim} and {ffn_dim}")
+        if self.compute_dtype == "bfloat16" and (dim % 8 or ffn_dim % 8):
+            raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), "
+                             f"got {dim} and {ffn_dim}")
+
     def with_(self, **kw) -> "Recipe":
         return replace(self, **kw)
 

@@ -97,13 +97,7 @@ class TrainConfig:
         if not names:
             raise ValueError("recipes is empty; give e.g. --recipes bf16,mxfp8")
         for name in names:
-            recipe = get_recipe(name)  # unknown names fail here, before any training
-            if recipe.mxfp8 and (self.dim % 32 or self.ffn_dim % 32):
-                raise ValueError(f"recipe {name}: dim {self.dim} and ffn_dim {self.ffn_dim} must be multiples of 32 "
-                                 "(MXFP8 blocks)")
-            if recipe.compute_dtype == "bfloat16" and (self.dim % 8 or self.ffn_dim % 8):
-                raise ValueError(f"recipe {name}: dim {self.dim} and ffn_dim {self.ffn_dim} must be multiples of 8 "
-                                 "(16-byte BF16 rows)")
+            get_recipe(name).check_dims(self.dim, self.ffn_dim)  # unknown names and bad dims fail before training
         if not (self.lr > 0 and 0 <= self.min_lr_frac <= 1 and self.weight_decay >= 0 and self.grad_clip > 0
                 and self.warmup >= 0):
             raise ValueError(f"need lr > 0 (got {self.lr}), 0 <= min_lr_frac <= 1 ({self.min_lr_frac}), "
