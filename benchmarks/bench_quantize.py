@@ -459,8 +459,8 @@ def main():
                 tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual", x.element_size()]
                 saved = dict(tile)
                 for (MB, BK, WM, WK, TM), RS in itertools.product(GLUON_SWEEP, GLUON_SWEEP_RS):
-                    if TM > RS or BK % (RS // TM * WK):
-                        continue  # the column layout needs RS/TM lanes per warp along K to tile BK
+                    if not Q._gluon_tile_fits(MB, BK, WM, WK, TM, RS):
+                        continue  # the kernel's layouts cannot be built from this tile
                     tile.update(MB=MB, BK=BK, WM=WM, WK=WK, TM=TM, RS=RS)
                     if tile == saved:
                         continue  # timed below as "auto"

@@ -469,13 +469,13 @@ def test_gluon_tiles_fit_the_kernel_layouts():
 
     assert {fam for fam, _ in Q._GLUON_TILES} == {"col", "dual"} and {w for _, w in Q._GLUON_TILES} == {2, 4}
     for key, t in Q._GLUON_TILES.items():
-        MB, BK, WM, WK, TM, RS = (t[k] for k in ("MB", "BK", "WM", "WK", "TM", "RS"))
-        assert RS in (8, 16, 32) and TM <= RS and 32 % TM == 0, key
-        assert MB % (TM * WM) == 0 and BK % (RS // TM * WK) == 0, key
-        tpk = BK // Q._GLUON_VEC  # L_IN: lanes along K
-        assert BK % Q._GLUON_VEC == 0 and tpk <= 32 and 32 % tpk == 0, key
-        assert (32 // TM) % (32 // RS) == 0, key  # L_COL: TM x 32/RS x rest lanes = 32
-        assert (key[1] == 4) <= (RS == 32), key  # FP32 input keeps 32 rows per thread (session 8)
+        assert set(t) == {"MB", "BK", "WM", "WK", "TM", "RS"} and Q._gluon_tile_fits(**t), key
+        assert (key[1] == 4) <= (t["RS"] == 32), key  # FP32 input keeps 32 rows per thread (session 8)
+    # the rule itself: each clause refuses a tile that breaks only it
+    ok = dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16)
+    assert Q._gluon_tile_fits(**ok)
+    for bad in (dict(TM=32), dict(RS=12), dict(MB=2), dict(BK=96), dict(WK=64), dict(BK=512), dict(TM=3)):
+        assert not Q._gluon_tile_fits(**dict(ok, **bad)), bad
 
 
 def test_input_errors():

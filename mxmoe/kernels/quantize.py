@@ -178,6 +178,17 @@ def _gluon_k_fast(row: int, col: int) -> bool:
     return row != 0 and col == 1
 
 
+def _gluon_tile_fits(MB: int, BK: int, WM: int, WK: int, TM: int, RS: int) -> bool:
+    """Whether a Gluon tile meets mx_quantize_cols_kernel's layout rules (its docstring): L_IN takes
+    BK/_GLUON_VEC lanes along K (a divisor of 32); L_COL puts RS rows of a block per thread, 32/RS lanes
+    per block, TM lanes over blocks and the rest over columns, so TM <= RS, MB % (TM*WM) == 0 and
+    BK % (RS/TM*WK) == 0."""
+    tpk = BK // _GLUON_VEC
+    return (RS in (8, 16, 32) and TM <= RS and 32 % TM == 0 and (32 // TM) % (32 // RS) == 0
+            and MB % (TM * WM) == 0 and BK % (RS // TM * WK) == 0
+            and BK % _GLUON_VEC == 0 and tpk <= 32 and 32 % tpk == 0)
+
+
 def _gluon_tile(row: int, x3: torch.Tensor) -> dict:
     """The Gluon kernel's tile for x3: _GLUON_TILES' "dual" (with a row output) or "col", by input width."""
     return dict(_GLUON_TILES[("dual" if row else "col", 2 if x3.element_size() == 2 else 4)])
