@@ -236,12 +236,14 @@ def run_case(shape, proj, balance, quick, gen):
     return rows
 
 
-def run_ablation(quick: bool) -> list[dict]:
+def run_ablation(quick: bool, ablations=(0, 1, 2)) -> list[dict]:
     """Where the time goes: fprop (balanced) with the promotion removed stage by stage.
 
     ablate 0 = the real kernel; 1 = one FFMA per element (the row scale only, what a 1-instruction
     promotion would cost); 2 = no promotion (partials accumulate in the tensor core: the pipeline's
-    own ceiling). Results of 1 and 2 are numerically wrong by design; only their time matters."""
+    own ceiling); 3 = the bare MMA pipeline (one partial chained through the tile, a wait per stage);
+    4 = 3 without the epilogue store; 5 = 3 without the wgmmas (the TMA feed and barriers alone).
+    Results of 1-3 are numerically wrong by design; only their time matters."""
     import mxmoe.kernels.sm90_mxfp8_grouped_gemm as kern
     rows = []
     gen = torch.Generator().manual_seed(1)
@@ -253,7 +255,7 @@ def run_ablation(quick: bool) -> list[dict]:
         for wb in (1, 32):
             sb = rand_scale_32x32(E, N, K // 32) if wb == 32 else rand_scale(E, N, K // 32)
             cfg = tile_for(M, N, K, E, weight_block=wb)
-            for ablate in (0, 1, 2):
+            for ablate in ablations:
                 kern._ABLATE = ablate
                 ms = bench(lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=cfg),
                            quick)
@@ -293,18 +295,25 @@ def main():
                     help="override: 1 = one partition per consumer warpgroup, 0 = one 8-warp consumer partition")
     ap.add_argument("--block-k", type=int, default=None,
                     help="override of the heuristic's contraction depth per shared-memory stage (multiple of 32; "
-                         "the heuristic gives 32x32 256 x 3 stages, the rest 128 x 4; 256 needs --stages 3)")
+                         "the heuristic gives 32x32 256 x 2 stages, the rest 128 x 4; 256 needs --stages 2 or 3)")
     ap.add_argument("--stages", type=int, default=None, help="override of the heuristic's shared-memory ring depth")
+    ap.add_argument("--block-m", type=int, default=None, help="override of the tile's rows (2 consumer warpgroups)")
+    ap.add_argument("--block-n", type=int, default=None, help="override of the tile's columns (wgmma n)")
+    ap.add_argument("--tma-store", type=int, choices=(0, 1), default=None,
+                    help="override: 1 = TMA-store epilogue where it fits, 0 = masked stores from registers")
+    ap.add_argument("--ablations", default="0,1,2", help="with --ablation: which variants (see run_ablation)")
     ap.add_argument("--ablation", action="store_true", help="only the promotion ablation (see run_ablation)")
     args = ap.parse_args()
     global OVERRIDE
     over = {k: v for k, v in (("split_wg", None if args.split is None else bool(args.split)),
-                              ("block_k", args.block_k), ("stages", args.stages)) if v is not None}
+                              ("block_k", args.block_k), ("stages", args.stages),
+                              ("block_m", args.block_m), ("block_n", args.block_n),
+                              ("tma_store", None if args.tma_store is None else bool(args.tma_store))) if v is not None}
     if over:
         OVERRIDE = over
     import triton
     if args.ablation:
-        rows = run_ablation(args.quick)
+        rows = run_ablation(args.quick, tuple(int(x) for x in args.ablations.split(",")))
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            config=f"sm90_tile_config, overrides {OVERRIDE}", ablation=rows), f, indent=1)

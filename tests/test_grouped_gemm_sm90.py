@@ -132,15 +132,42 @@ def test_fit_box_pads_only_small_operands():
 def test_tile_config_deep_stages_only_for_32x32_m_grouped():
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config
     deep = sm90_tile_config(16384, 2048, 4096, 8, weight_block=32)
-    assert (deep.block_k, deep.stages) == (256, 3)
+    assert (deep.block_k, deep.stages) == (256, 2)
     default = Sm90TileConfig()
     assert sm90_tile_config(16384, 2048, 4096, 8, weight_block=1) == default
     assert sm90_tile_config(16384, 2048, 1408, 8, weight_block=32) == default  # K not a multiple of 256
     assert sm90_tile_config(2048, 4096, 16384, 8, k_grouped=True) == default
     # shared memory of one stage at BK 256: A + B tiles of FP8 and the FP32 scale boxes (A: [KB, BM]; B with
-    # 32x32 weights: [KB, 8], with 1x32 it would be [KB, BN]), x stages
+    # 32x32 weights: [KB, 8], with 1x32 it would be [KB, BN]), x stages, + the BF16 output staging buffer
     smem = deep.stages * ((deep.block_m + deep.block_n) * deep.block_k + 4 * (deep.block_k // 32) * (deep.block_m + 8))
-    assert smem <= 227 * 1024, smem
+    assert smem + deep.block_m * deep.block_n * 2 <= 227 * 1024, smem
+
+
+def test_tile_config_check_refuses_unaligned_scale_boxes():
+    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, check_tile_config
+    check_tile_config(Sm90TileConfig(block_k=64, stages=8), weight_block=1)  # 1x32: boxes of 4 * BN bytes
+    check_tile_config(Sm90TileConfig(block_k=256, stages=3), weight_block=32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        check_tile_config(Sm90TileConfig(block_k=64, stages=8), weight_block=32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        check_tile_config(Sm90TileConfig(block_k=48))
+
+
+def test_tma_store_epilogue_only_where_it_fits():
+    """The TMA-store epilogue needs 16-byte aligned rows, a tensor at least one box large and room for
+    its staging buffer beside the ring; everywhere else the kernel keeps masked register stores."""
+    pytest.importorskip("triton.experimental.gluon")
+    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import _out_desc
+    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
+    cfg = Sm90TileConfig()
+    big16 = torch.empty(1024, 512, dtype=torch.bfloat16)
+    assert _out_desc(big16, cfg, 128).block_shape == [64, 128]
+    assert _out_desc(torch.empty(1024, 512), cfg, 128) is not None  # FP32 (wgrad) fits at 128 x 4
+    assert _out_desc(big16, Sm90TileConfig(tma_store=False), 128) is None
+    assert _out_desc(torch.empty(1024, 100, dtype=torch.bfloat16), cfg, 128) is None  # 200-byte rows
+    assert _out_desc(torch.empty(48, 512, dtype=torch.bfloat16), cfg, 128) is None  # fewer rows than a box
+    assert _out_desc(big16, Sm90TileConfig(block_k=256, stages=3), 8) is None  # 210 KB ring + 32 KB: no room
+    assert _out_desc(big16, Sm90TileConfig(block_k=256, stages=2), 8) is not None
 
 
 def test_argument_checks_before_launch():
@@ -193,13 +220,15 @@ def test_m_grouped_matches_fp64(case, weight_block):
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_block", [1, 32])
 @pytest.mark.parametrize("case", [M_CASES[1], M_CASES[2], M_CASES[0]])
-def test_m_grouped_deep_stages_match_fp64(case, weight_block):
-    """BK 256 x 3 stages (the 32x32 default for K % 256 == 0) forced on every weight variant, tails
-    of 4 and 5 MX steps included (K 1408, 1440), against the same FP64 reference."""
+@pytest.mark.parametrize("stages", [2, 3])
+def test_m_grouped_deep_stages_match_fp64(case, weight_block, stages):
+    """BK 256 forced on every weight variant, tails of 4 and 5 MX steps included (K 1408, 1440), against
+    the same FP64 reference: 2 stages (the 32x32 default, TMA-store epilogue) and 3 (session 9's
+    default; no room for the TMA store's buffer, so register stores)."""
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
     counts, N, K, extra = case
     a, b, offs, ref, rows = _m_grouped_case(counts, N, K, weight_block, extra, seed=7)
-    out = _run_m(a, b, offs, torch.float32, weight_block, config=Sm90TileConfig(block_k=256, stages=3))
+    out = _run_m(a, b, offs, torch.float32, weight_block, config=Sm90TileConfig(block_k=256, stages=stages))
     assert not out[:rows].isnan().any(), "a valid row was not written"
     assert _rel_err(out[:rows], ref[:rows]) <= TOL_FP32_OUT
 
@@ -232,6 +261,23 @@ def test_m_grouped_nan_scale_propagates():
     out = _run_m(a_nan, b, offs, torch.float32, 1)
     assert out[10].isnan().all()
     assert not out[:10].isnan().any() and not out[11:rows].isnan().any()
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_block", [1, 32])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_tma_store_epilogue_matches_register_stores(weight_block, out_dtype):
+    """Same products, two epilogues: tiles whose rows fill their group go out through shared memory
+    and TMA stores, the rest (and everything with tma_store=False) through masked register stores.
+    Bit-identical outputs, rows past offs[-1] untouched (still NaN) in both."""
+    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
+    a, b, offs, _, rows = _m_grouped_case([256, 0, 300, 128, 77, 0, 640], 384, 512, weight_block, extra_rows=40,
+                                          seed=11)
+    on = _run_m(a, b, offs, out_dtype, weight_block, config=Sm90TileConfig(tma_store=True))
+    off = _run_m(a, b, offs, out_dtype, weight_block, config=Sm90TileConfig(tma_store=False))
+    assert torch.equal(on[:rows], off[:rows])
+    assert on[rows:].isnan().all() and off[rows:].isnan().all()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,4 +323,17 @@ def test_k_grouped_bitwise_rerun_and_offset_check():
     assert torch.equal(o1, o2)
     with pytest.raises(ValueError, match="multiple of 32"):
         sm90_mxfp8_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs + 1)
+
+
+@sm90
+@pytest.mark.gpu
+def test_k_grouped_tma_store_matches_register_stores():
+    """wgrad with N not a multiple of 128: each expert's last row tile spills into the next expert's
+    rows of the [E*N, K] view, so it keeps masked stores; the rest go out through TMA stores."""
+    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
+    a, b, offs, _ = _k_grouped_case([96, 0, 320, 64], 200, 384, seed=13)
+    on = sm90_mxfp8_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, config=Sm90TileConfig(tma_store=True))
+    off = sm90_mxfp8_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, config=Sm90TileConfig(tma_store=False))
+    assert torch.equal(on, off)
+    assert torch.all(on[1] == 0)
 

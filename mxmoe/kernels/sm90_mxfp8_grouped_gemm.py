@@ -14,7 +14,7 @@ rounding). A NaN scale (0xFF) is a NaN factor.
 Kernel structure (one kernel serves both forms; ``K_GROUPED`` picks the tile map)::
 
     persistent grid, one CTA per SM, tiles BM x BN = 128 x 128, K stages of 128 (4 MX steps; 32x32
-    weights with K % 256 == 0: 3 stages of 256, 8 MX steps, see sm90_tile_config)
+    weights with K % 256 == 0: 2 stages of 256, 8 MX steps, see sm90_tile_config)
 
     producer partition (1 warp, 24 regs)         consumer partitions (2 x 1 warpgroup, 240 regs)
     ---------------------------------------      ---------------------------------------------
@@ -24,7 +24,10 @@ Kernel structure (one kernel serves both forms; ``K_GROUPED`` picks the tile map
         expect ready[s]; TMA A, B, sa, sb            per step j: wgmma step j -> partial (async);
                                                          retire step j-1 (wait(1)); promote it
                                                      wait(0); promote the last step; arrive empty[s]
-                                                   masked store of its 64 rows of the tile
+                                                   store its 64 rows of the tile: TMA store from
+                                                   smem if all 64 are in the group (not waited
+                                                   for until its next epilogue), else masked
+                                                   stores from registers
 
     consumer warpgroup 0 (the default partition) owns rows 0..63 of every tile and warpgroup 1 (a
     worker partition) rows 64..127, each with m64n128k32 wgmmas and its own barriers, so one
@@ -56,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config
+from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, check_tile_config, sm90_tile_config
 
 try:  # Triton (and Gluon) are optional: `import mxmoe` must work without them.
     import triton
@@ -216,7 +219,9 @@ if HAS_GLUON:
         """acc += p * 2^(ea) * 2^(eb) for one MX step (sa: per row, sb: per column or per 32 columns).
 
         ABLATE (timing experiments only, wrong results): 1 = one FFMA per element with the row scale
-        only; 2 = no promotion at all (the partials accumulate in the tensor core)."""
+        only; 2 = no promotion at all (the partials accumulate in the tensor core); 3 = the bare MMA
+        pipeline (one partial chained through the tile, no per-step wait; the consumer loop skips this);
+        4 = 3 without the epilogue's store; 5 = 3 without the wgmmas (the data feed alone)."""
         if ABLATE == 2:
             pass
         elif ABLATE == 1:
@@ -243,11 +248,23 @@ if HAS_GLUON:
         return warpgroup_mma(a_j, b_j, p, use_acc=use_acc, is_async=True)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr,
+    def _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0: gl.constexpr, BMW: gl.constexpr,
+                      BN: gl.constexpr, mma_layout: gl.constexpr):
+        """Epilogue of a tile that ends past its group's last row: masked stores from registers."""
+        out = gl.convert_layout(gl.reshape(acc, [BMW, BN]), mma_layout)
+        rows = a_row + ROW0 + gl.arange(0, BMW, gl.SliceLayout(1, mma_layout))
+        cols = col0 + gl.arange(0, BN, gl.SliceLayout(0, mma_layout))
+        ptrs = c_ptr + out_base + gl.expand_dims(rows.to(gl.int64) * OUT_COLS, 1) + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(rows < row_hi, 1) & gl.expand_dims(cols < OUT_COLS, 0)
+        gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_desc, c_bufs,
                   offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                  ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr):
+                  ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr,
+                  TMA_STORE: gl.constexpr):
         """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
         MX step, promotion of the previous step while the next one runs, masked store."""
         KB: gl.constexpr = BK // 32
@@ -279,7 +296,14 @@ if HAS_GLUON:
                 a_buf = a_bufs.index(idx)
                 b_buf = b_bufs.index(idx)
                 r0 = idx * KB
-                if nsteps - s * KB >= KB:
+                if (ABLATE >= 3) & (nsteps - s * KB >= KB):
+                    # Ablation 3: the bare MMA pipeline (one partial chained through the whole tile,
+                    # a wait per stage only).
+                    if ABLATE != 5:
+                        for j in gl.static_range(KB):
+                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, (s > 0) | (j > 0))
+                        p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                elif nsteps - s * KB >= KB:
                     # Full stage. Step j's wgmma runs while step j-1 is promoted. With 32x32 weights the
                     # few scales of step j-1 are read before the wait (latency hidden behind the tensor
                     # core); with 1x32 the 32 column scales per thread would not fit in registers.
@@ -325,28 +349,43 @@ if HAS_GLUON:
                 mbarrier.arrive(empty.index(idx), count=1)
                 it += 1
             # Epilogue: masked store of the rows that belong to this tile's group.
-            if ABLATE == 2:
+            if ABLATE >= 3:
+                if WB32:
+                    acc = gl.reshape(p_a, [BMW, BN // 32, 32])
+                else:
+                    acc = p_a
+            elif ABLATE == 2:
                 if WB32:
                     acc = gl.reshape(p_a + p_b, [BMW, BN // 32, 32])
                 else:
                     acc = p_a + p_b
-            if WB32:
-                out = gl.convert_layout(gl.reshape(acc, [BMW, BN]), mma_layout)
-            else:
-                out = acc
-            rows = a_row + ROW0 + gl.arange(0, BMW, gl.SliceLayout(1, mma_layout))
-            cols = col0 + gl.arange(0, BN, gl.SliceLayout(0, mma_layout))
-            ptrs = c_ptr + out_base + gl.expand_dims(rows.to(gl.int64) * OUT_COLS, 1) + gl.expand_dims(cols, 0)
-            mask = gl.expand_dims(rows < row_hi, 1) & gl.expand_dims(cols < OUT_COLS, 0)
-            gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+            if (ABLATE != 4) | (row_hi < 0):  # ablation 4: ablation 3 without the store
+                if TMA_STORE:
+                    if a_row + ROW0 + BMW <= row_hi:
+                        # All BMW rows inside the group: through shared memory and one TMA store, which
+                        # drains while the next tile's main loop runs (columns clipped at the tensor's edge).
+                        c_buf = c_bufs.index(ROW0 // BMW)
+                        tma.store_wait(0)  # the previous tile's store has finished reading c_buf
+                        c_buf.store(gl.reshape(acc, [BMW, BN]).to(c_buf.dtype))
+                        fence_async_shared()
+                        c_row = (out_base // OUT_COLS).to(gl.int32) + a_row + ROW0
+                        tma.async_copy_shared_to_global(c_desc, [c_row, col0], c_buf)
+                    else:
+                        _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
+                else:
+                    _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=["E", "N_B", "KSTEPS", "MT_K", "NT", "OUT_ROWS", "OUT_COLS"])
     def sm90_mxfp8_grouped_gemm_kernel(
             a_desc, b_desc, sa_desc, sb_desc,  # TMA descriptors: A/B data tiles, A/B scale tiles
+            c_desc,  # TMA descriptor of the output ([rows, cols] view, box [rows per consumer, BN]) or None
             c_ptr, offs_ptr, tile_end_ptr,  # output, group ends [E], [2, E] cumul. tile counts + A-scale starts
             E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
             K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-            SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, ABLATE: gl.constexpr, num_warps: gl.constexpr):
+            SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, ABLATE: gl.constexpr, TMA_STORE: gl.constexpr,
+            num_warps: gl.constexpr):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -367,24 +406,33 @@ if HAS_GLUON:
         fence_async_shared()
 
         HALF: gl.constexpr = BM // 2
+        if TMA_STORE:  # one output staging buffer per consumer partition
+            c_bufs = gl.allocate_shared_memory(c_desc.dtype, [NCONS] + c_desc.block_type.shape, c_desc.layout)
+            c_tma = c_desc
+        else:  # placeholders (never read): partitions cannot take None
+            c_bufs = ready
+            c_tma = ready
         if SPLIT_WG:
             gl.static_assert(num_warps == 4)
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, offs_ptr, tile_end_ptr, E, N_B,
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr, tile_end_ptr,
+                             E, N_B,
                              KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
-                             SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE)),
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, offs_ptr, tile_end_ptr, E, N_B,
+                             SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr, tile_end_ptr,
+                             E, N_B,
                              KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
-                             SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE)),
+                             SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, offs_ptr, tile_end_ptr, E, N_B,
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr, tile_end_ptr,
+                             E, N_B,
                              KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
-                             SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE)),
+                             SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
@@ -530,6 +578,26 @@ def _desc(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _nvmma_layout(block, gl_dtype))
 
 
+_SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+
+
+def _out_desc(out2d: torch.Tensor, cfg: Sm90TileConfig, sb_cols: int):
+    """TMA descriptor of the ``[rows, cols]`` output for the TMA-store epilogue (box: one consumer
+    partition's rows x BN), or None where the epilogue falls back to masked stores from registers:
+    ``cfg.tma_store`` off, a row pitch or base address not 16-byte aligned, a tensor smaller than the
+    box, or no room in shared memory for the staging buffer beside the ring (``sb_cols``: columns of
+    the B-scale box; ptxas's figures run ~300 bytes above this estimate, hence the 1 KB margin)."""
+    block = [cfg.block_m // 2 if cfg.split_wg else cfg.block_m, cfg.block_n]
+    rows, cols = out2d.shape
+    ring = cfg.stages * ((cfg.block_m + cfg.block_n) * cfg.block_k + 4 * (cfg.block_k // MX_BLOCK) * (cfg.block_m + sb_cols))
+    staging = cfg.block_m * cfg.block_n * out2d.element_size()
+    if not (cfg.tma_store and out2d.data_ptr() % 16 == 0 and cols * out2d.element_size() % 16 == 0
+            and rows >= block[0] and cols >= block[1] and ring + staging + 1024 <= _SMEM_LIMIT):
+        return None
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[out2d.dtype]
+    return TensorDescriptor(out2d, [rows, cols], [cols, 1], block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+
+
 def _search_steps(num_groups: int) -> int:
     return max(0, (num_groups - 1).bit_length())
 
@@ -564,7 +632,8 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
             element of promotion instead of FMUL + FFMA).
         out: optional preallocated ``[M, N]`` output of ``out_dtype`` (rows past ``offs[-1]`` are
             left untouched).
-        config: tile configuration; default from :func:`sm90_tile_config`.
+        config: tile configuration; default from :func:`sm90_tile_config`; a hand-made one is checked by
+            :func:`~mxmoe.kernels.sm90_tile_config.check_tile_config` (ValueError).
     Returns:
         ``[M, N]`` tensor of ``out_dtype``; rows past ``offs[-1]`` are unspecified.
     Raises:
@@ -600,6 +669,7 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
     if M == 0 or N == 0 or E == 0:
         return out
     cfg = config or sm90_tile_config(M, N, K, E, weight_block=weight_block)
+    check_tile_config(cfg, weight_block)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     KB = BK // MX_BLOCK
 
@@ -617,11 +687,13 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
     sched = torch.stack([tile_end, sa_starts])  # [2, E]: cumulative tile counts, A-scale group starts
     max_tiles = (triton.cdiv(M, BM) + E) * nt
     grid = (min(_num_sms(a.device), max_tiles), )
+    c_desc = _out_desc(out, cfg, sb_block[1])
     sm90_mxfp8_grouped_gemm_kernel[grid](
-        _desc(a, [BM, BK]), _desc(b.view(E * N, K), [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, sb_block),
+        _desc(a, [BM, BK]), _desc(b.view(E * N, K), [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, sb_block), c_desc,
         out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
         K_GROUPED=False, WB32=weight_block == 32, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        SEARCH_STEPS=_search_steps(E), SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, num_warps=4 if cfg.split_wg else 8,
+        SEARCH_STEPS=_search_steps(E), SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, TMA_STORE=c_desc is not None,
+        num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg)
     return out
 
@@ -642,7 +714,8 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         out_dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
         check_offsets: verify ``offs % 32 == 0`` (one device-to-host sync).
         out: optional preallocated ``[E, N, K]`` output.
-        config: tile configuration; default from :func:`sm90_tile_config`.
+        config: tile configuration; default from :func:`sm90_tile_config`; a hand-made one is checked by
+            :func:`~mxmoe.kernels.sm90_tile_config.check_tile_config` (ValueError).
     Returns:
         ``[E, N, K]`` of ``out_dtype``; all zeros for an expert with no tokens.
     Raises:
@@ -679,16 +752,19 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
     if T == 0:
         return out.zero_()
     cfg = config or sm90_tile_config(N, K, T, E, k_grouped=True)
+    check_tile_config(cfg)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     KB = BK // MX_BLOCK
     sa = sm90_scale_layout(a_scale)  # [T/32, N_pad]
     sb = sm90_scale_layout(b_scale)  # [T/32, K_pad]
     mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
     grid = (min(_num_sms(a.device), E * mt * nt), )
+    c_desc = _out_desc(out.view(E * N, K), cfg, BN)
     sm90_mxfp8_grouped_gemm_kernel[grid](
-        _desc(a, [BM, BK]), _desc(b, [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, [KB, BN]),
+        _desc(a, [BM, BK]), _desc(b, [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, [KB, BN]), c_desc,
         out, offs, offs, E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        SEARCH_STEPS=0, SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, num_warps=4 if cfg.split_wg else 8,
+        SEARCH_STEPS=0, SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, TMA_STORE=c_desc is not None,
+        num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg)
     return out

@@ -9,11 +9,13 @@ Budgets that fix the choices (H200 / sm_90):
   so BM = 128.
 * Shared memory (227 KB per CTA): one stage holds A and B tiles (BM x BK + BN x BK bytes of FP8 =
   32 KB at BK = 128) plus the FP32 scales (4 x BM + 4 x BN floats = 4 KB) -> 4 stages = 144 KB,
-  leaving room for the compiler's scratch.
+  plus the TMA-store epilogue's staging buffer (BM x BN outputs: 32 KB BF16, 64 KB FP32) = 176 /
+  208 KB. The epilogue falls back to register stores where the buffer does not fit.
 * BK = 128 = four MX steps per stage: few barrier round-trips, and a stage ends with all its
   wgmmas retired (a wgmma kept in flight across the loop back-edge makes ptxas serialize them).
-  32x32 weights, whose promotion is cheap, take BK = 256 x 3 stages (64 KB of A and B tiles plus
-  4.25 KB of scale boxes per stage; ptxas reports 210 KB): half the drains (see :func:`sm90_tile_config`).
+  32x32 weights, whose promotion is cheap, take BK = 256 x 2 stages (64 KB of A and B tiles plus
+  4.25 KB of scale boxes per stage, + 32 KB staging; ptxas reports 169 KB): half the drains (see
+  :func:`sm90_tile_config`).
 * split_wg: each consumer warpgroup is its own partition (own barriers); measured equal to one
   8-warp partition on the H200 (benchmarks/NOTES_grouped_gemm.md), kept for the independence.
 """
@@ -31,6 +33,7 @@ class Sm90TileConfig:
     stages: int = 4  # smem ring depth
     group_m: int = 8  # m-tiles per supergroup inside one expert's sub-problem
     split_wg: bool = True  # each consumer warpgroup its own partition (else one 8-warp partition)
+    tma_store: bool = True  # epilogue through shared memory + TMA store where a tile's rows fill its group
     maxnreg: int = 168  # per-thread cap at launch: 12 warps x 168 = producer warpgroup x 24 + 8 consumer
     #                     warps x 240 after setmaxnreg (Triton's AllocateWarpGroups arithmetic)
 
@@ -39,14 +42,32 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
                      weight_block: int = 1) -> Sm90TileConfig:
     """Tile configuration for a grouped problem (sizes of the whole problem, not one group).
 
-    32x32 weights (M-grouped) with K a multiple of 256 take 256-deep stages, 3 of them (210 KB of
-    shared memory): the wgmma pipeline drains every 8 MX steps instead of 4. Measured on the H200
-    (session 9, ``benchmarks/results/h200/grouped_gemm_bk256_ab2_s9.json``: two runs of each, alternating,
-    one call): 32x32 fprop +6% (geometric mean over the 8 balanced cases, each +4..+10%), dgrad +4%
-    (-3..+7%). 1x32 lost 11-12% in a first A/B (``grouped_gemm_bk256_ab_s9.json``; its promotion, not
-    the drains, is the bound), so it keeps 128 x 4.
+    32x32 weights (M-grouped) with K a multiple of 256 take 256-deep stages, 2 of them, so the
+    TMA-store epilogue's staging buffer fits beside the ring (3 would not): the wgmma pipeline drains
+    every 8 MX steps instead of 4. Measured on the H200, session 10
+    (``benchmarks/results/h200/grouped_gemm_epilogue_ab_s10.json``, one call, 8 balanced cases x
+    fprop/dgrad): against session 9's 256 x 3 with register stores, 256 x 2 with TMA stores gave
+    +7..+60% on 15 of 16 cases (qwen3 up fprop -5%), 128 x 4 with TMA stores -3..+38%. 1x32 lost
+    11-12% with 256-deep stages (session 9, ``grouped_gemm_bk256_ab_s9.json``; its promotion, not the
+    drains, is the bound) and again here (-7..-18%), so it keeps 128 x 4.
     """
     del m, n, num_groups
     if weight_block == 32 and not k_grouped and k % 256 == 0:
-        return Sm90TileConfig(block_k=256, stages=3)
+        return Sm90TileConfig(block_k=256, stages=2)
     return Sm90TileConfig()
+
+
+def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1) -> None:
+    """Refuse a tile configuration the kernel cannot run (a config passed in by hand).
+
+    Raises:
+        ValueError: ``block_k`` not a positive multiple of 32 (one MX step), or, with 32x32 weights,
+            not a multiple of 128: the weight-scale box of one stage is ``block_k / 32`` rows of 8 FP32
+            values (``block_k`` bytes) and each stage's box must start 128-byte aligned in shared
+            memory (``block_k`` 64 died with a misaligned-address fault on the H200, session 10).
+    """
+    if cfg.block_k <= 0 or cfg.block_k % 32 != 0:
+        raise ValueError(f"block_k must be a positive multiple of 32, got {cfg.block_k}")
+    if weight_block == 32 and cfg.block_k % 128 != 0:
+        raise ValueError(f"with 32x32 weights block_k must be a multiple of 128 (128-byte aligned scale boxes "
+                         f"per stage), got {cfg.block_k}")

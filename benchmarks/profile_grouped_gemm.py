@@ -1,0 +1,78 @@
+"""Our grouped GEMM variants beside cuBLAS/CUTLASS on one shape: do_bench TFLOP/s, or one launch each for ncu.
+
+    python benchmarks/profile_grouped_gemm.py time [shape]
+    ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight --section SchedulerStats \\
+        --metrics sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed \\
+        --csv --page details python benchmarks/profile_grouped_gemm.py prof [shape]
+
+fprop of the up projection (N = 2 x FFN, K = hidden), balanced token counts (default shape mixtral-8x7b).
+Variants: the real kernel (1x32; 32x32 with its 256-deep stages and with 128), the bare MMA pipeline
+(ablate 3 at 128x128 and 128x256 tiles) and no promotion (ablate 2; both give wrong numbers by design),
+CUTLASS FP8 rowwise and BF16 grouped (``torch._scaled_grouped_mm`` / ``torch._grouped_mm``), and cuBLAS FP8
+rowwise and BF16 dense products of the same total size (all rows against expert 0's weight).
+Session 10's run is in benchmarks/results/h200/grouped_gemm_ncu_s10.csv.
+"""
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_grouped_gemm as B  # noqa: E402
+import mxmoe.kernels.sm90_mxfp8_grouped_gemm as K  # noqa: E402
+from mxmoe.kernels.sm90_tile_config import Sm90TileConfig as C  # noqa: E402
+
+
+def main():
+    mode = sys.argv[1]
+    E, M, hidden, ffn = B.SHAPES[sys.argv[2] if len(sys.argv) > 2 else "mixtral-8x7b"]
+    N, Kd = 2 * ffn, hidden
+    offs = torch.tensor(B.token_counts(M, E, "balanced", torch.Generator().manual_seed(1))).cumsum(0)
+    offs = offs.to(torch.int32).cuda()
+    a, sa, b = B.rand_fp8(M, Kd), B.rand_scale(M, Kd // 32), B.rand_fp8(E, N, Kd)
+    sb1, sb32 = B.rand_scale(E, N, Kd // 32), B.rand_scale_32x32(E, N, Kd // 32)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    rs, cs = torch.rand(M, device="cuda") + .5, torch.rand(E, N, device="cuda") + .5
+    rs1, cs1 = rs[:, None], cs[:1]
+
+    def ours(wb, ablate, cfg):
+        def f():
+            K._ABLATE = ablate
+            try:
+                return K.sm90_mxfp8_m_grouped_gemm(a, sa, b, sb32 if wb == 32 else sb1, offs, weight_block=wb,
+                                                   config=cfg)
+            finally:
+                K._ABLATE = 0
+        return f
+
+    cases = {
+        "ours_1x32": ours(1, 0, C()),
+        "ours_32x32_bk256": ours(32, 0, C(block_k=256, stages=3)),
+        "ours_32x32_bk128": ours(32, 0, C()),
+        "bare_128x128": ours(1, 3, C()),
+        "bare_128x256": ours(1, 3, C(block_n=256)),
+        "noprom_32x32_128x128": ours(32, 2, C()),
+        "cutlass_fp8rw_grouped": lambda: torch._scaled_grouped_mm(a, b.transpose(-2, -1), rs, cs, offs=offs,
+                                                                  out_dtype=torch.bfloat16),
+        "cutlass_bf16_grouped": lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs),
+        "cublas_fp8rw_dense": lambda: torch._scaled_mm(a, b[0].T, rs1, cs1, out_dtype=torch.bfloat16),
+        "cublas_bf16_dense": lambda: a16 @ b16[0].T,
+    }
+    flop = 2.0 * M * N * Kd
+    for name, fn in cases.items():
+        fn()
+        torch.cuda.synchronize()
+        if mode == "time":
+            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+            print(f"{name:<24} {flop / ms / 1e9:7.0f} TFLOP/s  {ms:.3f} ms", flush=True)
+        else:
+            torch.cuda.nvtx.range_push("prof")
+            fn()
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
