@@ -119,6 +119,9 @@ def sm90_gemm_backend(weight_block: int) -> str:
 # Gluon 0.32-0.54x (1x32 weights) and 0.41-0.89x (32x32); BF16 expansion (kernel v2) 0.61-0.97x on
 # qwen3/dsv3 for either weight block, where Gluon 32x32 reached 0.41-0.78x. In the MoE layer the
 # expansion route (mxfp8) beat Gluon (mxfp8_2d) on 3 of 4 shapes. Gluon stays selectable.
+# Session 10 (TMA-store epilogue; grouped_gemm.json, moe_layer_routes_s10.json): Gluon 32x32 fprop/dgrad
+# 0.67-1.05x, ahead of the expansion on most GEMMs, but the layer on Gluon is still slower (mxfp8_2d
+# 0.76-0.93x BF16 vs 0.85-1.02x expanded): its 1x32 wgrad runs at 0.49-0.64x.
 _SM90_DEFAULT = {1: "bf16", 32: "bf16"}
 
 
