@@ -266,7 +266,7 @@ if HAS_GLUON:
                   ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr,
                   TMA_STORE: gl.constexpr):
         """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
-        MX step, promotion of the previous step while the next one runs, masked store."""
+        MX step, promotion of the previous step while the next one runs, then the tile's store."""
         KB: gl.constexpr = BK // 32
         EARLY_SCALES: gl.constexpr = WB32
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -297,8 +297,8 @@ if HAS_GLUON:
                 b_buf = b_bufs.index(idx)
                 r0 = idx * KB
                 if (ABLATE >= 3) & (nsteps - s * KB >= KB):
-                    # Ablation 3: the bare MMA pipeline (one partial chained through the whole tile,
-                    # a wait per stage only).
+                    # Ablations 3-5: the bare MMA pipeline (one partial chained through the whole
+                    # tile, a wait per stage only); 5 leaves out the wgmmas.
                     if ABLATE != 5:
                         for j in gl.static_range(KB):
                             p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, (s > 0) | (j > 0))
@@ -348,7 +348,7 @@ if HAS_GLUON:
                 fence_async_shared()
                 mbarrier.arrive(empty.index(idx), count=1)
                 it += 1
-            # Epilogue: masked store of the rows that belong to this tile's group.
+            # Epilogue: the rows that belong to this tile's group (TMA store or masked stores).
             if ABLATE >= 3:
                 if WB32:
                     acc = gl.reshape(p_a, [BMW, BN // 32, 32])
