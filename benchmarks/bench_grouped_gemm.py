@@ -40,7 +40,7 @@ from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
 )
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config  # noqa: E402
 
-OVERRIDE: dict = {}  # tile fields set on the command line (--split, --block-k, --stages), over the heuristic's choice
+OVERRIDE: dict = {}  # tile fields set on the command line (--split, --block-k/m/n, --stages, --tma-store), over the heuristic
 
 # name: (local experts E, routed rows M, hidden, expert FFN)
 SHAPES = {
@@ -243,7 +243,7 @@ def run_ablation(quick: bool, ablations=(0, 1, 2)) -> list[dict]:
     promotion would cost); 2 = no promotion (partials accumulate in the tensor core: the pipeline's
     own ceiling); 3 = the bare MMA pipeline (one partial chained through the tile, a wait per stage);
     4 = 3 without the epilogue store; 5 = 3 without the wgmmas (the TMA feed and barriers alone).
-    Results of 1-3 are numerically wrong by design; only their time matters."""
+    Results of 1-5 are numerically wrong by design; only their time matters."""
     import mxmoe.kernels.sm90_mxfp8_grouped_gemm as kern
     rows = []
     gen = torch.Generator().manual_seed(1)

@@ -168,6 +168,10 @@ def test_tma_store_epilogue_only_where_it_fits():
     assert _out_desc(torch.empty(48, 512, dtype=torch.bfloat16), cfg, 128) is None  # fewer rows than a box
     assert _out_desc(big16, Sm90TileConfig(block_k=256, stages=3), 8) is None  # 210 KB ring + 32 KB: no room
     assert _out_desc(big16, Sm90TileConfig(block_k=256, stages=2), 8) is not None
+    assert _out_desc(torch.empty(1024, 512), Sm90TileConfig(block_k=256, stages=2), 8) is not None  # 32x32, FP32 out
+    assert _out_desc(torch.empty(1024, 96, dtype=torch.bfloat16), cfg, 128) is None  # narrower than a box
+    assert _out_desc(big16.view(-1)[4:4 + 1000 * 512].view(1000, 512), cfg, 128) is None  # base 8 bytes off
+    assert _out_desc(big16, Sm90TileConfig(split_wg=False), 128).block_shape == [128, 128]  # one 8-warp partition
 
 
 def test_argument_checks_before_launch():
@@ -271,13 +275,18 @@ def test_tma_store_epilogue_matches_register_stores(weight_block, out_dtype):
     """Same products, two epilogues: tiles whose rows fill their group go out through shared memory
     and TMA stores, the rest (and everything with tma_store=False) through masked register stores.
     Bit-identical outputs, rows past offs[-1] untouched (still NaN) in both."""
+    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import _out_desc
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
-    a, b, offs, _, rows = _m_grouped_case([256, 0, 300, 128, 77, 0, 640], 384, 512, weight_block, extra_rows=40,
-                                          seed=11)
-    on = _run_m(a, b, offs, out_dtype, weight_block, config=Sm90TileConfig(tma_store=True))
+    a, b, offs, ref, rows = _m_grouped_case([256, 0, 300, 128, 77, 0, 640], 384, 512, weight_block, extra_rows=40,
+                                            seed=11)
+    cfg_on = Sm90TileConfig(tma_store=True)
+    probe = torch.empty(a.shape[0], 384, dtype=out_dtype, device="cuda")
+    assert _out_desc(probe, cfg_on, 8 if weight_block == 32 else 128) is not None, "the TMA path must be taken"
+    on = _run_m(a, b, offs, out_dtype, weight_block, config=cfg_on)
     off = _run_m(a, b, offs, out_dtype, weight_block, config=Sm90TileConfig(tma_store=False))
     assert torch.equal(on[:rows], off[:rows])
     assert on[rows:].isnan().all() and off[rows:].isnan().all()
+    assert _rel_err(on[:rows], ref[:rows]) <= (TOL_FP32_OUT if out_dtype == torch.float32 else TOL_BF16_OUT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,8 +339,11 @@ def test_k_grouped_bitwise_rerun_and_offset_check():
 def test_k_grouped_tma_store_matches_register_stores():
     """wgrad with N not a multiple of 128: each expert's last row tile spills into the next expert's
     rows of the [E*N, K] view, so it keeps masked stores; the rest go out through TMA stores."""
+    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import _out_desc
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
     a, b, offs, _ = _k_grouped_case([96, 0, 320, 64], 200, 384, seed=13)
+    probe = torch.empty(4 * 200, 384, device="cuda")
+    assert _out_desc(probe, Sm90TileConfig(tma_store=True), 128) is not None, "the TMA path must be taken"
     on = sm90_mxfp8_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, config=Sm90TileConfig(tma_store=True))
     off = sm90_mxfp8_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, config=Sm90TileConfig(tma_store=False))
     assert torch.equal(on, off)

@@ -100,7 +100,8 @@ def sm90_gemm_backend(weight_block: int) -> str:
     :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`). ``"bf16"``: exact expansion of the MX operands
     to BF16 (:mod:`mxmoe.kernels.dequantize`) and BF16 ``torch._grouped_mm``. Chosen by the
     environment variable ``MXMOE_SM90_GEMM`` (``gluon`` / ``bf16`` / ``auto``); by default the route
-    that measured faster on an H200 for the weight block (benchmarks/results/h200/grouped_gemm_routes.json).
+    that made the MoE layer faster on an H200 for the weight block (``bf16`` for both since session 10's
+    benchmarks/results/h200/moe_layer_routes_s10.json, though the 32x32 Gluon GEMM alone is now faster).
     Only the ``bf16`` route uses the quantize-dequantize kernels and the fused SwiGLU / permutation
     (they write BF16 operands); ``gluon`` reads FP8 operands from the quantization kernels.
 

@@ -250,7 +250,8 @@ if HAS_GLUON:
     @gluon.jit
     def _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0: gl.constexpr, BMW: gl.constexpr,
                       BN: gl.constexpr, mma_layout: gl.constexpr):
-        """Epilogue of a tile that ends past its group's last row: masked stores from registers."""
+        """Masked stores from registers: rows that end past their group's last row, or every tile when
+        the TMA-store epilogue is off."""
         out = gl.convert_layout(gl.reshape(acc, [BMW, BN]), mma_layout)
         rows = a_row + ROW0 + gl.arange(0, BMW, gl.SliceLayout(1, mma_layout))
         cols = col0 + gl.arange(0, BN, gl.SliceLayout(0, mma_layout))

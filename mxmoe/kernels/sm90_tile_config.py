@@ -49,7 +49,7 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
     fprop/dgrad): against session 9's 256 x 3 with register stores, 256 x 2 with TMA stores gave
     +7..+60% on 15 of 16 cases (qwen3 up fprop -5%), 128 x 4 with TMA stores -3..+38%. 1x32 lost
     11-12% with 256-deep stages (session 9, ``grouped_gemm_bk256_ab_s9.json``; its promotion, not the
-    drains, is the bound) and again here (256 x 2: -4..-23% against 128 x 4), so it keeps 128 x 4.
+    drains, is the bound) and again here (256 x 2: -15..-23% against 128 x 4), so it keeps 128 x 4.
     """
     del m, n, num_groups
     if weight_block == 32 and not k_grouped and k % 256 == 0:
@@ -58,7 +58,9 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
 
 
 def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1) -> None:
-    """Refuse a tile configuration the kernel cannot run (a config passed in by hand).
+    """Refuse a hand-made tile configuration that breaks the ``block_k`` rules below (one such config
+    crashed on the GPU). Other fields are not checked here: shared memory beyond 227 KB fails at launch in Triton, and
+    ``_out_desc`` drops the TMA-store epilogue where its buffer would not fit.
 
     Raises:
         ValueError: ``block_k`` not a positive multiple of 32 (one MX step), or, with 32x32 weights,
