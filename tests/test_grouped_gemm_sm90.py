@@ -130,17 +130,16 @@ def test_fit_box_pads_only_small_operands():
 
 
 def test_tile_config_deep_stages_only_for_32x32_m_grouped():
-    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config
+    from mxmoe.kernels.sm90_tile_config import SMEM_PER_CTA, Sm90TileConfig, sm90_tile_config, smem_bytes
     deep = sm90_tile_config(16384, 2048, 4096, 8, weight_block=32)
     assert (deep.block_k, deep.stages) == (256, 2)
     default = Sm90TileConfig()
     assert sm90_tile_config(16384, 2048, 4096, 8, weight_block=1) == default
     assert sm90_tile_config(16384, 2048, 1408, 8, weight_block=32) == default  # K not a multiple of 256
     assert sm90_tile_config(2048, 4096, 16384, 8, k_grouped=True) == default
-    # shared memory of one stage at BK 256: A + B tiles of FP8 and the FP32 scale boxes (A: [KB, BM]; B with
-    # 32x32 weights: [KB, 8], with 1x32 it would be [KB, BN]), x stages, + the BF16 output staging buffer
-    smem = deep.stages * ((deep.block_m + deep.block_n) * deep.block_k + 4 * (deep.block_k // 32) * (deep.block_m + 8))
-    assert smem + deep.block_m * deep.block_n * 2 <= 227 * 1024, smem
+    # the ring at BK 256 (B-scale boxes of 32x32 weights: [KB, 8]) + the BF16 output staging buffer fit in 227 KB
+    smem = smem_bytes(deep, 8, 2)
+    assert smem <= SMEM_PER_CTA == 227 * 1024, smem
 
 
 def test_tile_config_check_refuses_unaligned_scale_boxes():

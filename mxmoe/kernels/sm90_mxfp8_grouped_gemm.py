@@ -59,7 +59,8 @@ from __future__ import annotations
 
 import torch
 
-from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, check_tile_config, sm90_tile_config
+from mxmoe.kernels.sm90_tile_config import (SMEM_PER_CTA, Sm90TileConfig, check_tile_config, sm90_tile_config,
+                                             smem_bytes)
 
 try:  # Triton (and Gluon) are optional: `import mxmoe` must work without them.
     import triton
@@ -416,24 +417,21 @@ if HAS_GLUON:
         if SPLIT_WG:
             gl.static_assert(num_warps == 4)
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr, tile_end_ptr,
-                             E, N_B,
-                             KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
-                             SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr, tile_end_ptr,
-                             E, N_B,
-                             KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
-                             SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
+                             tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
+                             tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
+                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr, tile_end_ptr,
-                             E, N_B,
-                             KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M,
-                             SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE)),
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
+                             tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
@@ -579,24 +577,21 @@ def _desc(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _nvmma_layout(block, gl_dtype))
 
 
-_SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
-
-
 def _out_desc(out2d: torch.Tensor, cfg: Sm90TileConfig, sb_cols: int):
     """TMA descriptor of the ``[rows, cols]`` output for the TMA-store epilogue (box: one consumer
     partition's rows x BN), or None where the epilogue falls back to masked stores from registers:
     ``cfg.tma_store`` off, a row pitch or base address not 16-byte aligned, a tensor smaller than the
     box, or no room in shared memory for the staging buffer beside the ring (``sb_cols``: columns of
-    the B-scale box; ptxas's figures run ~300 bytes above this estimate, hence the 1 KB margin)."""
+    the B-scale box; ptxas's figures run ~300 bytes above :func:`smem_bytes`, hence the 1 KB margin)."""
     block = [cfg.block_m // 2 if cfg.split_wg else cfg.block_m, cfg.block_n]
     rows, cols = out2d.shape
-    ring = cfg.stages * ((cfg.block_m + cfg.block_n) * cfg.block_k + 4 * (cfg.block_k // MX_BLOCK) * (cfg.block_m + sb_cols))
-    staging = cfg.block_m * cfg.block_n * out2d.element_size()
-    if not (cfg.tma_store and out2d.data_ptr() % 16 == 0 and cols * out2d.element_size() % 16 == 0
-            and rows >= block[0] and cols >= block[1] and ring + staging + 1024 <= _SMEM_LIMIT):
+    elt = out2d.element_size()
+    if not (cfg.tma_store and out2d.data_ptr() % 16 == 0 and cols * elt % 16 == 0
+            and rows >= block[0] and cols >= block[1] and smem_bytes(cfg, sb_cols, elt) + 1024 <= SMEM_PER_CTA):
         return None
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[out2d.dtype]
-    return TensorDescriptor(out2d, [rows, cols], [cols, 1], block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return TensorDescriptor(out2d, [rows, cols], [cols, 1], block, layout)
 
 
 def _search_steps(num_groups: int) -> int:

@@ -57,10 +57,21 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
     return Sm90TileConfig()
 
 
+SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+
+
+def smem_bytes(cfg: Sm90TileConfig, sb_cols: int, out_elt: int = 0) -> int:
+    """Shared memory of a configuration's ring (A and B FP8 tiles, FP32 scale boxes: A ``[BK/32, BM]``,
+    B ``[BK/32, sb_cols]``) plus, with ``out_elt`` bytes per output, the TMA-store staging buffer
+    (``BM x BN``). ptxas reports ~300 bytes more (barriers, alignment)."""
+    ring = cfg.stages * ((cfg.block_m + cfg.block_n) * cfg.block_k + 4 * (cfg.block_k // 32) * (cfg.block_m + sb_cols))
+    return ring + cfg.block_m * cfg.block_n * out_elt
+
+
 def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1) -> None:
     """Refuse a hand-made tile configuration that breaks the ``block_k`` rules below (one such config
-    crashed on the GPU). Other fields are not checked here: shared memory beyond 227 KB fails at launch in Triton, and
-    ``_out_desc`` drops the TMA-store epilogue where its buffer would not fit.
+    crashed on the GPU). Other fields are not checked here: shared memory beyond 227 KB fails at launch
+    in Triton, and ``_out_desc`` drops the TMA-store epilogue where its buffer would not fit.
 
     Raises:
         ValueError: ``block_k`` not a positive multiple of 32 (one MX step), or, with 32x32 weights,
