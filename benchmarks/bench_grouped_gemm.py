@@ -40,7 +40,8 @@ from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
 )
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, sm90_tile_config  # noqa: E402
 
-OVERRIDE: dict = {}  # tile fields set on the command line (--split, --block-k/m/n, --stages, --tma-store), over the heuristic
+# tile fields set on the command line (--split, --block-k/m/n, --stages, --tma-store), on top of the heuristic
+OVERRIDE: dict = {}
 
 # name: (local experts E, routed rows M, hidden, expert FFN)
 SHAPES = {
@@ -305,12 +306,11 @@ def main():
     ap.add_argument("--ablation", action="store_true", help="only the promotion ablation (see run_ablation)")
     args = ap.parse_args()
     global OVERRIDE
-    over = {k: v for k, v in (("split_wg", None if args.split is None else bool(args.split)),
-                              ("block_k", args.block_k), ("stages", args.stages),
-                              ("block_m", args.block_m), ("block_n", args.block_n),
-                              ("tma_store", None if args.tma_store is None else bool(args.tma_store))) if v is not None}
-    if over:
-        OVERRIDE = over
+    OVERRIDE = {k: v for k, v in (("split_wg", None if args.split is None else bool(args.split)),
+                                  ("block_k", args.block_k), ("stages", args.stages),
+                                  ("block_m", args.block_m), ("block_n", args.block_n),
+                                  ("tma_store", None if args.tma_store is None else bool(args.tma_store)))
+                if v is not None}
     import triton
     if args.ablation:
         rows = run_ablation(args.quick, tuple(int(x) for x in args.ablations.split(",")))
