@@ -1,7 +1,7 @@
 """MoE layer forward+backward: mxfp8 (1x32), mxfp8 with 32x32 weights, our bf16, and a plain
 per-expert PyTorch loop, on the DESIGN §5 shapes at 16384 tokens per step, same run, same GPU.
 
-    python benchmarks/bench_moe_layer.py [--out benchmarks/results/h200/moe_layer.json] [--tiny]
+    python benchmarks/bench_moe_layer.py [--out benchmarks/results/h200/moe_layer.json] [--routes auto,gluon,mixed]
 
 Per row: median fwd+bwd ms (CUDA events over `--iters` steps after warm-up), peak memory of the
 step, memory held for backward (allocated after forward minus before), and, from one profiled
@@ -146,6 +146,9 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--recipes", default="mxfp8,mxfp8_2d,mxfp8_lowmem,bf16,loop")
     ap.add_argument("--balance", default="balanced,skewed")
+    ap.add_argument("--routes", default=os.environ.get("MXMOE_SM90_GEMM", "auto"),
+                    help="Hopper routes of the MX recipes (MXMOE_SM90_GEMM values, comma-separated), each "
+                         "timed in the same run: auto, bf16 (expansion), gluon, mixed")
     args = ap.parse_args()
     dev = "cuda"
     rows = []
@@ -153,27 +156,34 @@ def main():
             "torch": torch.__version__, "python": platform.python_version(), "tokens": args.tokens,
             "timing": f"median of {args.iters} fwd+bwd steps (CUDA events) after 3 warm-up steps; "
                       "parameter gradients set to None before each step (no accumulation)",
-            "env": {k: v for k, v in os.environ.items() if k.startswith("MXMOE_")}}
+            "env": {k: v for k, v in os.environ.items() if k.startswith("MXMOE_") and k != "MXMOE_SM90_GEMM"}}
     try:
         import triton
         meta["triton"] = triton.__version__
     except ImportError:
         pass
+    routes = args.routes.split(",")
     for name in args.shapes.split(","):
         for bal in args.balance.split(","):
-            res = {r: run_case(name, r, bal == "skewed", args.tokens, args.iters, dev) for r in args.recipes.split(",")}
-            for r, v in res.items():
+            res = {}
+            for r in args.recipes.split(","):
+                for route in (["auto"] if r in ("bf16", "loop") else routes):  # bf16, loop: no MX products
+                    os.environ["MXMOE_SM90_GEMM"] = route
+                    res[r, route] = run_case(name, r, bal == "skewed", args.tokens, args.iters, dev)
+            bf16, loop = res.get(("bf16", "auto"), {}), res.get(("loop", "auto"), {})
+            for (r, route), v in res.items():
                 if r in ("bf16", "loop"):
                     continue
-                row = {"shape": name, "balance": bal, "recipe": r, "tokens": args.tokens, **v,
-                       "bf16_ms": res.get("bf16", {}).get("ms"), "loop_ms": res.get("loop", {}).get("ms"),
-                       "bf16_peak_mem_gib": res.get("bf16", {}).get("peak_mem_gib"),
-                       "bf16_saved_for_bwd_gib": res.get("bf16", {}).get("saved_for_bwd_gib"),
-                       "bf16_top_kernels": res.get("bf16", {}).get("top_kernels")}
+                row = {"shape": name, "balance": bal, "recipe": r, "route": route, "tokens": args.tokens, **v,
+                       "bf16_ms": bf16.get("ms"), "loop_ms": loop.get("ms"),
+                       "bf16_peak_mem_gib": bf16.get("peak_mem_gib"),
+                       "bf16_saved_for_bwd_gib": bf16.get("saved_for_bwd_gib"),
+                       "bf16_top_kernels": bf16.get("top_kernels")}
                 row["speedup_vs_bf16"] = row["bf16_ms"] / v["ms"] if row["bf16_ms"] else None
                 row["speedup_vs_loop"] = row["loop_ms"] / v["ms"] if row["loop_ms"] else None
                 rows.append(row)
-                print(f"{name:14s} {bal:8s} {r:9s} {v['ms']:8.2f} ms  bf16 {row['bf16_ms'] or 0:8.2f}  loop {row['loop_ms'] or 0:8.2f}"
+                print(f"{name:14s} {bal:8s} {r:9s} {route:6s} {v['ms']:8.2f} ms  bf16 {row['bf16_ms'] or 0:8.2f}"
+                      f"  loop {row['loop_ms'] or 0:8.2f}"
                       f"  x{row['speedup_vs_bf16'] or 0:.2f} vs bf16  x{row['speedup_vs_loop'] or 0:.2f} vs loop"
                       f"  peak {v['peak_mem_gib']:.2f} GiB  saved {v['saved_for_bwd_gib']:.2f} (bf16 {row['bf16_saved_for_bwd_gib'] or 0:.2f})"
                       f"  quant {100 * v['quant_share']:.0f}%", flush=True)

@@ -307,9 +307,22 @@ def _unpack(tensors: tuple, meta: tuple | None):
     return MXTensor(*tensors, *meta) if meta else tensors[0]
 
 
+def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool):
+    """dgrad's weight operand ``[E, N, K]`` quantized along N, from the parameter: its BF16 values on
+    the Hopper expansion route (a transposed view), else an MXTensor."""
+    if expansion:
+        from mxmoe.kernels import dispatch
+
+        if recipe.weight_block == BLOCK:  # 32x32 tiles: the values along K are those along N
+            return dispatch.qdq_rowwise(w.detach(), recipe.scale_rule, True)
+        return dispatch.qdq_columnwise(w.detach(), recipe.scale_rule).mT
+    return quantize_weight(w, recipe, axis=-2)
+
+
 class _MXGroupedLinear(torch.autograd.Function):
     """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights
-    (or, for 1x32 weights off the expansion route, the parameter itself, requantized along N).
+    (or, for 1x32 weights off the expansion route and under ``requantize_weights``, the parameter
+    itself, requantized along N).
 
     On the Hopper expansion route (:func:`_expansion`) operands are BF16 MX values from the QDQ
     kernels, bit-identical to expanding the quantized operands; what is saved stays FP8.
@@ -329,14 +342,17 @@ class _MXGroupedLinear(torch.autograd.Function):
             xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule)
         else:
             xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, axis=-1, scale_rule=rule)
-        if exp is not None:
+        tile32 = recipe.weight_block == BLOCK
+        if exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
+            wq, w_dgrad = exp.qdq_rowwise(w.detach(), rule, tile32), None
+        elif exp is not None:
             # Weights along K as BF16 values (fprop) + FP8 along N kept for dgrad (for 32x32 tiles the
             # same values; the transposed copy keeps dgrad's operand layout). Bytes per weight element
             # (estimate; fp32 parameters): saving FP8 moves 1 (extra write) + 1 + 2 (expansion in
             # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
-            # ~1 B per weight element held until backward.
-            wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=recipe.weight_block == BLOCK)
-        elif recipe.weight_block == BLOCK:  # one quantization serves fprop and dgrad
+            # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
+            wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
+        elif tile32 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
             wq, w_dgrad = quantize_weight_both(w, recipe)
         else:
             wq, w_dgrad = quantize_weight(w, recipe, axis=-1), None  # [E, N, K] along K
@@ -370,11 +386,15 @@ class _MXGroupedLinear(torch.autograd.Function):
                 dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
             elif need_dx:
                 dyq = dispatch.qdq_rowwise(dy, rule)
+        elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
+            dyq, dyq_t = quantize_dual(dy, rule)  # FP8 along N (dgrad) and along tokens (wgrad): one read
+            dyq_t = dyq_t.mT
         if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
             if dyq is None:
                 dyq = quantize(dy, axis=-1, scale_rule=rule)
-            wq_n = w_dgrad if w_dgrad is not None else quantize_weight(w, recipe, axis=-2)
+            wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion)
             dx = _product(dyq, wq_n, offs, ctx.x_dtype)
+            dyq = wq_n = None  # dgrad's operands freed before wgrad's are made (peak memory)
         if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
             if recipe.wgrad_mxfp8:
                 if dyq_t is None:

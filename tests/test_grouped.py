@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import mxmoe
+from mxmoe.kernels import dispatch
 from mxmoe.ops import grouped_linear, grouped_mm
 
 
@@ -185,7 +186,6 @@ def test_bf16_odd_shapes_fall_back_to_the_reference():
 def test_bad_inputs_give_clear_errors(monkeypatch):
     """Errors found by the session-2 review: each names the problem instead of failing deep inside."""
     from mxmoe import ops
-    from mxmoe.kernels import dispatch
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(64, 64, generator=g)
@@ -222,6 +222,52 @@ def test_bad_inputs_give_clear_errors(monkeypatch):
     monkeypatch.setenv("MXMOE_SM90_GEMM", "GLUON")
     with pytest.raises(ValueError, match="MXMOE_SM90_GEMM"):
         dispatch.sm90_gemm_backend(1)
+
+
+@pytest.mark.parametrize("route", ["bf16", "gluon", "mixed"])
+def test_sm90_routes_pick_kernels(route, monkeypatch):
+    """Which kernel serves each product on an sm_90 GPU (capability and kernels stubbed on CPU):
+    mixed takes our kernel for the M-grouped products (fprop, dgrad) and the BF16 expansion for
+    the K-grouped one (wgrad)."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setenv("MXMOE_SM90_GEMM", route)
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(dispatch, "_triton_ok", lambda: True)
+    monkeypatch.setattr(dispatch, "_ops", lambda: SimpleNamespace(
+        sm90_m_grouped_gemm=lambda *a: calls.append("gluon_m"), sm90_k_grouped_gemm=lambda *a: calls.append("gluon_k")))
+    monkeypatch.setattr(dispatch, "expand_bf16", lambda t: t)
+    monkeypatch.setattr(dispatch, "bf16_grouped_mm", lambda *a: calls.append("bf16"))
+    g = torch.Generator().manual_seed(7)
+    for block in (32, (32, 32)):
+        a, w = mxmoe.quantize(torch.randn(64, 64, generator=g)), mxmoe.quantize(torch.randn(2, 32, 64, generator=g),
+                                                                                block=block)
+        dispatch.mx_grouped_mm_cuda(a, w.mT, offsets([32, 32]), torch.bfloat16)  # M-grouped
+        dy, x = mxmoe.quantize(torch.randn(64, 32, generator=g), axis=0), mxmoe.quantize(a.dequantize(), axis=0)
+        dispatch.mx_grouped_mm_cuda(dy.mT, x, offsets([32, 32]), torch.float32)  # K-grouped
+    m_kernel, k_kernel = {"bf16": ("bf16", "bf16"), "gluon": ("gluon_m", "gluon_k"), "mixed": ("gluon_m", "bf16")}[route]
+    assert calls == [m_kernel, k_kernel] * 2
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d"])
+def test_requantize_weights_same_numbers(recipe):
+    """requantize_weights (weights quantized again in backward, not kept in FP8): the same output
+    and gradients bit for bit, and the parameter, not an FP8 copy, held for backward."""
+    from mxmoe.recipes import get_recipe
+
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(96, 64, generator=g), torch.randn(3, 64, 64, generator=g)
+    outs = []
+    for rq in (False, True):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = grouped_linear(xx, ww, offsets([32, 0, 64]), get_recipe(recipe).with_(requantize_weights=rq))
+        # (on the CPU 1x32 weights are requantized either way: only the Hopper expansion route keeps them)
+        assert any(t is ww for t in y.grad_fn.saved_tensors) == (rq or recipe == "mxfp8")
+        y.square().sum().backward()
+        outs.append((y, xx.grad, ww.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 def test_x_wgrad_with_mx_values_equals_plain_call():

@@ -89,6 +89,9 @@ for dtype in (torch.bfloat16, torch.float32, torch.float16):
             same(xb, expand(c2), f"32x32 bf16 == along-N values {dtype} {rule}")
             same(dt, c2.data.mT, f"32x32 data_t {dtype} {rule}")
             same(st, c2.scale.mT, f"32x32 scale_t {dtype} {rule}")
+            # one orientation alone (weights requantized in backward): along M transposed; 32x32 along K
+            same(Q.qdq_columnwise(x, rule), expand(c).mT, f"columnwise {dtype} {rule}")
+            same(Q.qdq_rowwise(x, rule, tile32=True), expand(r2), f"rowwise 32x32 {dtype} {rule}")
             n += 1
 # SwiGLU fused with the dual QDQ of its output, and its autograd backward
 import torch.nn.functional as F
@@ -232,6 +235,9 @@ def test_qdq_fake_shapes():
         x = torch.empty(8, 64, 96, device="cuda", dtype=torch.float32)
         y = ops.qdq_rowwise(x, "rceil")
         assert (y.shape, y.dtype) == ((8, 64, 96), torch.bfloat16)
+        assert ops.qdq_rowwise(x, "rceil", True).shape == (8, 64, 96)
+        y = ops.qdq_columnwise(x, "rceil")
+        assert (y.shape, y.dtype) == ((8, 96, 64), torch.bfloat16)
         xb, dt, st = ops.qdq_dual(x, "floor", True)
         assert (xb.shape, xb.dtype, dt.shape, dt.dtype, st.shape, st.dtype) == (
             (8, 64, 96), torch.bfloat16, (8, 96, 64), torch.float8_e4m3fn, (8, 96, 2), torch.float8_e8m0fnu)
@@ -303,7 +309,9 @@ def test_gpu_qdq_kernels_bit_exact(shape, dtype, rule):
     xb, xbt = Q.qdq_dual_bf16(x, rule)
     _same_bf16(xb, row, "dual_bf16 row")
     _same_bf16(xbt, col, "dual_bf16 col")
+    _same_bf16(Q.qdq_columnwise(x, rule), col, "columnwise")
     d2, s2, dt2, st2 = Q.quantize_32x32(x, rule)
+    _same_bf16(Q.qdq_rowwise(x, rule, tile32=True), dequantize_bf16(d2, s2), "rowwise 32x32")
     xb, qt, qst = Q.qdq_dual(x, rule, tile32=True)
     _same_bf16(xb, dequantize_bf16(d2, s2), "32x32 bf16")
     _same(qt, dt2, "32x32 data_t")
@@ -316,7 +324,7 @@ def test_gpu_qdq_kernels_bit_exact(shape, dtype, rule):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("shape", [(96, 160), (3, 64, 96), (4096, 2048), (2, 1536, 2048)])
 def test_gpu_gluon_qdq_equals_triton(shape, dtype, monkeypatch):
-    """qdq_dual / qdq_dual_bf16 through the Gluon kernel (sm_90; FP32 too, the layer's weights) equal the
+    """qdq_dual / qdq_columnwise / qdq_dual_bf16 through the Gluon kernel (sm_90; FP32 too, the layer's weights) equal the
     Triton kernel (MXMOE_QUANT_GLUON=0) bit for bit, and the columnwise BF16 values equal the CPU
     reference's."""
     import torch
@@ -328,9 +336,9 @@ def test_gpu_gluon_qdq_equals_triton(shape, dtype, monkeypatch):
     if not Q._use_gluon(x if x.dim() == 3 else x[None]):
         pytest.skip("the Gluon kernel is not used on this GPU")
     for rule in ("rceil", "floor"):
-        got = Q.qdq_dual(x, rule) + Q.qdq_dual_bf16(x, rule)
+        got = Q.qdq_dual(x, rule) + (Q.qdq_columnwise(x, rule),) + Q.qdq_dual_bf16(x, rule)
         monkeypatch.setenv("MXMOE_QUANT_GLUON", "0")
-        want = Q.qdq_dual(x, rule) + Q.qdq_dual_bf16(x, rule)
+        want = Q.qdq_dual(x, rule) + (Q.qdq_columnwise(x, rule),) + Q.qdq_dual_bf16(x, rule)
         monkeypatch.delenv("MXMOE_QUANT_GLUON")
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             (_same_bf16 if g.dtype == torch.bfloat16 else _same)(g, w, f"output {i} {rule}: Gluon vs Triton")

@@ -97,22 +97,24 @@ def sm90_gemm_backend(weight_block: int) -> str:
     """Which Hopper route serves an MX grouped product.
 
     ``"gluon"``: our warp-specialized MXFP8 kernel (FP8 wgmma + promotion every 32,
-    :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`). ``"bf16"``: exact expansion of the MX operands
-    to BF16 (:mod:`mxmoe.kernels.dequantize`) and BF16 ``torch._grouped_mm``. Chosen by the
-    environment variable ``MXMOE_SM90_GEMM`` (``gluon`` / ``bf16`` / ``auto``); by default the route
-    that made the MoE layer faster on an H200 for the weight block (``bf16`` for both since session 10's
-    benchmarks/results/h200/moe_layer_routes_s10.json, though the 32x32 Gluon GEMM alone is now faster).
-    Only the ``bf16`` route uses the quantize-dequantize kernels and the fused SwiGLU / permutation
-    (they write BF16 operands); ``gluon`` reads FP8 operands from the quantization kernels.
+    :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`) for all three products. ``"bf16"``: exact
+    expansion of the MX operands to BF16 (:mod:`mxmoe.kernels.dequantize`) and BF16
+    ``torch._grouped_mm``. ``"mixed"``: our kernel for the M-grouped products (fprop, dgrad), the
+    expansion for the K-grouped one (wgrad, whose operands are 1x32-block activations and gradients
+    under every recipe). Chosen by the environment variable ``MXMOE_SM90_GEMM`` (``gluon`` /
+    ``bf16`` / ``mixed`` / ``auto``); by default the route that made the MoE layer fastest on an H200
+    for the weight block (``_SM90_DEFAULT``). Only the ``bf16`` route uses the quantize-dequantize
+    kernels and the fused SwiGLU / permutation (they write BF16 operands); ``gluon`` and ``mixed``
+    read FP8 operands from the quantization kernels.
 
     Raises:
         ValueError: ``MXMOE_SM90_GEMM`` set to anything else.
     """
     choice = os.environ.get("MXMOE_SM90_GEMM", "auto")
-    if choice in ("gluon", "bf16"):
+    if choice in ("gluon", "bf16", "mixed"):
         return choice
     if choice != "auto":
-        raise ValueError(f"MXMOE_SM90_GEMM must be 'gluon', 'bf16' or 'auto', got {choice!r}")
+        raise ValueError(f"MXMOE_SM90_GEMM must be 'gluon', 'bf16', 'mixed' or 'auto', got {choice!r}")
     return _SM90_DEFAULT[weight_block]
 
 
@@ -147,7 +149,8 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted
     from mxmoe.formats import BLOCK
 
     wb = BLOCK if b.block == (BLOCK, BLOCK) else 1
-    if sm90_gemm_backend(wb) == "bf16":
+    route = sm90_gemm_backend(wb)
+    if route == "bf16" or (route == "mixed" and b.dim() == 2):
         return bf16_grouped_mm(expand_bf16(a), expand_bf16(b), offs, out_dtype)
     a_data, a_scale = _kmajor(a)
     b_data, b_scale = _kmajor(b.mT)  # [E, N, K] or [K, T]: contraction last
@@ -170,9 +173,10 @@ def expansion_route(weight_block: int, x: torch.Tensor, w: torch.Tensor) -> bool
     return _capability(x.device.index or 0) == (9, 0) and sm90_gemm_backend(weight_block) == "bf16"
 
 
-def qdq_rowwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
-    """BF16 MX values of ``x [.., M, K]`` along K: ``expand_bf16(quantize(x, -1))`` from one read."""
-    return _ops().qdq_rowwise(x, scale_rule)
+def qdq_rowwise(x: torch.Tensor, scale_rule: str, tile32: bool = False) -> torch.Tensor:
+    """BF16 MX values of ``x [.., M, K]`` along K: ``expand_bf16(quantize(x, -1))`` from one read
+    (``tile32``: 32x32-tile scales, the same values along M)."""
+    return _ops().qdq_rowwise(x, scale_rule, tile32)
 
 
 def qdq_dual(x: torch.Tensor, scale_rule: str, tile32: bool = False):
@@ -186,6 +190,11 @@ def qdq_dual(x: torch.Tensor, scale_rule: str, tile32: bool = False):
 
     x16, data_t, scale_t = _ops().qdq_dual(x, scale_rule, tile32)
     return x16, q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK) if tile32 else (1, BLOCK))
+
+
+def qdq_columnwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
+    """``x [.., M, K]`` -> BF16 MX values along M (1x32), transposed ``[.., K, M]`` (weights: dgrad's operand)."""
+    return _ops().qdq_columnwise(x, scale_rule)
 
 
 def qdq_dual_bf16(x: torch.Tensor, scale_rule: str):

@@ -570,19 +570,22 @@ def _launch_qdq(x: torch.Tensor, scale_rule, row_bf16: bool, col_bf16: bool, col
     return tuple(out)
 
 
-def qdq_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil") -> torch.Tensor:
+def qdq_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", tile32: bool = False) -> torch.Tensor:
     """BF16 MX values of x along the last dim (the fprop operand of the expansion route).
 
     Args:
         x: ``[M, K]`` or ``[B, M, K]`` bfloat16/float16/float32, CUDA, ``K % 32 == 0``; any strides.
         scale_rule: ``"rceil"`` or ``"floor"``.
+        tile32: one scale per 32x32 tile (needs ``M % 32 == 0``; weights): the values are then the
+            same along either dim, so they serve fprop and dgrad alike.
     Returns:
         contiguous ``bfloat16`` ``[.., M, K]`` equal bit for bit to
-        ``dequantize_bf16(*quantize_rowwise(x, scale_rule))``.
+        ``dequantize_bf16(*quantize_rowwise(x, scale_rule))`` (``tile32``: to :func:`qdq_dual`'s BF16
+        output with ``tile32``).
     Raises:
-        TypeError / ValueError as :func:`quantize_rowwise`.
+        TypeError / ValueError as :func:`quantize_rowwise` (and :func:`quantize_32x32` with ``tile32``).
     """
-    return _launch_qdq(x, scale_rule, True, False, False, False, "qdq_rowwise")[0]
+    return _launch_qdq(x, scale_rule, True, False, False, tile32, "qdq_rowwise")[0]
 
 
 def qdq_dual(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", tile32: bool = False):
@@ -602,6 +605,20 @@ def qdq_dual(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", tile32: boo
         TypeError / ValueError as :func:`quantize_dual`.
     """
     return _launch_qdq(x, scale_rule, True, False, True, tile32, "qdq_dual")
+
+
+def qdq_columnwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil") -> torch.Tensor:
+    """BF16 MX values of x along M (dim -2, 1x32 blocks), written transposed: the dgrad operand of
+    weights ``[E, N, K]`` quantized along N, requantized from the parameter in backward.
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]`` bfloat16/float16/float32, CUDA, ``M % 32 == K % 32 == 0``; any strides.
+    Returns:
+        contiguous bfloat16 ``[.., K, M]`` equal bit for bit to ``dequantize_bf16(*quantize_columnwise(x))``.
+    Raises:
+        TypeError / ValueError as :func:`quantize_dual`.
+    """
+    return _launch_qdq(x, scale_rule, False, True, False, False, "qdq_columnwise")[0]
 
 
 def qdq_dual_bf16(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):

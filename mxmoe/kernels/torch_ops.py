@@ -13,8 +13,9 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``quantize_dual``           both of the above, from one read
 ``quantize_32x32``          (data, scale, data_t, scale_t), one scale per 32x32 tile
 ``dequantize_bf16``         (data ``[..., R, C]``, scale ``[..., R, C/32]``) -> bf16 ``[..., R, C]``
-``qdq_rowwise``             x ``[..., M, K]`` -> bf16 ``[..., M, K]``: MX values along K
+``qdq_rowwise``             (x ``[..., M, K]``, rule, tile32) -> bf16 ``[..., M, K]``: MX values along K
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
+``qdq_columnwise``          x -> bf16 ``[..., K, M]``: MX values along M, transposed
 ``qdq_dual_bf16``           x -> (bf16 ``[..., M, K]``, bf16 ``[..., K, M]``): along K and along M
 ``swiglu_qdq``              (h ``[M, 2F]`` bf16, rule, save_h) -> ``qdq_dual`` of ``silu(h[:, :F]) * h[:, F:]``,
                             + h quantized along 2F (data, scale) if save_h, else two empty tensors
@@ -97,10 +98,10 @@ def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @_op
-def qdq_rowwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
+def qdq_rowwise(x: torch.Tensor, scale_rule: str, tile32: bool = False) -> torch.Tensor:
     from mxmoe.kernels import quantize as q
 
-    return q.qdq_rowwise(x, scale_rule)
+    return q.qdq_rowwise(x, scale_rule, tile32)
 
 
 @_op
@@ -108,6 +109,13 @@ def qdq_dual(x: torch.Tensor, scale_rule: str, tile32: bool) -> tuple[torch.Tens
     from mxmoe.kernels import quantize as q
 
     return tuple(q.qdq_dual(x, scale_rule, tile32))
+
+
+@_op
+def qdq_columnwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
+    from mxmoe.kernels import quantize as q
+
+    return q.qdq_columnwise(x, scale_rule)
 
 
 @_op
@@ -201,8 +209,9 @@ quantize_columnwise.register_fake(lambda x, scale_rule: _col(x))
 quantize_dual.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 quantize_32x32.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dtype=torch.bfloat16))
-qdq_rowwise.register_fake(lambda x, scale_rule: _bf16(x))
+qdq_rowwise.register_fake(lambda x, scale_rule, tile32=False: _bf16(x))
 qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))
+qdq_columnwise.register_fake(lambda x, scale_rule: _bf16(x, transposed=True))
 qdq_dual_bf16.register_fake(lambda x, scale_rule: (_bf16(x), _bf16(x, transposed=True)))
 swiglu_qdq.register_fake(lambda h, scale_rule, save_h: (
     h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16),
