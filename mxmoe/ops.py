@@ -399,7 +399,12 @@ class _MXGroupedLinear(torch.autograd.Function):
             if recipe.wgrad_mxfp8:
                 if dyq_t is None:
                     dyq_t = quantize(_pad_rows(dy, BLOCK), axis=0, scale_rule=rule).mT  # [N, M] along tokens
-                dw = _product(dyq_t, x_saved, offs, torch.float32)
+                if ctx.expansion:  # torch._grouped_mm writes BF16: cast once its operands are freed (peak memory)
+                    dw = _product(dyq_t, x_saved, offs, torch.bfloat16)
+                    dyq_t = None
+                    dw = dispatch.bf16_to(dw, ctx.w_dtype)
+                else:
+                    dw = _product(dyq_t, x_saved, offs, torch.float32)
             else:
                 dw = grouped_mm(dy.to(torch.bfloat16).t(), x_saved, offs, _validate=False)
             dw = dw.to(ctx.w_dtype)

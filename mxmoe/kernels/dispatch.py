@@ -247,7 +247,12 @@ def expand_bf16(t):
 def bf16_grouped_mm(a16: torch.Tensor, b16: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``torch._grouped_mm`` of BF16 operands; it writes BF16 (torch 2.11 takes no other output
     dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel)."""
-    out = torch._grouped_mm(a16, b16, offs)
+    return bf16_to(torch._grouped_mm(a16, b16, offs), out_dtype)
+
+
+def bf16_to(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """A BF16 product in ``out_dtype``: FP32 through the layer's cast kernel on CUDA (torch's
+    dtype-converting copy elsewhere); BF16 as is."""
     ops = layer_ops() if out_dtype == torch.float32 and out.is_cuda else None
     if ops is not None:
         return ops.to_float32(out)
