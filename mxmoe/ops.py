@@ -427,7 +427,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             end on a multiple of 32 rows (wgrad's 32-token blocks must not mix experts). With
             ``validate``, rows past ``offs[-1]`` give zero output and zero gradient; without it they
             are the caller's business (mxmoe.MoE ends the last group at M).
-        recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_lowmem"`` (here as ``"mxfp8"``),
+        recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_lowmem"`` (here: ``"mxfp8"`` with
+            the weights requantized in backward),
             ``"mxfp8_bf16_wgrad"``, ``"fp32"``)
             or a :class:`~mxmoe.recipes.Recipe`.
         validate: check shapes and offsets (synchronizes with the GPU once).
