@@ -245,7 +245,7 @@ def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return grouped_mm(a, b, offs, out_dtype=out_dtype, _validate=False)
     from mxmoe.kernels import dispatch
 
-    return dispatch.bf16_grouped_mm(dispatch.expand_bf16(a), dispatch.expand_bf16(b), offs, out_dtype)
+    return dispatch.bf16_grouped_mm(a, b, offs, out_dtype)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -309,7 +309,8 @@ def _unpack(tensors: tuple, meta: tuple | None):
 
 def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool):
     """dgrad's weight operand ``[E, N, K]`` quantized along N, from the parameter: its BF16 values on
-    the Hopper expansion route (a transposed view), else an MXTensor."""
+    the Hopper expansion route (1x32: a transposed view; 32x32: the tile values, row-major), else an
+    MXTensor."""
     if expansion:
         from mxmoe.kernels import dispatch
 
@@ -321,7 +322,7 @@ def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool):
 
 class _MXGroupedLinear(torch.autograd.Function):
     """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights
-    (or, for 1x32 weights off the expansion route and under ``requantize_weights``, the parameter
+    (or, for 1x32 weights off the expansion route or under ``requantize_weights``, the parameter
     itself, requantized along N).
 
     On the Hopper expansion route (:func:`_expansion`) operands are BF16 MX values from the QDQ

@@ -155,7 +155,7 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted
     wb = BLOCK if b.block == (BLOCK, BLOCK) else 1
     route = sm90_gemm_backend(wb)
     if route == "bf16" or (route == "mixed" and b.dim() == 2):
-        return bf16_grouped_mm(expand_bf16(a), expand_bf16(b), offs, out_dtype)
+        return bf16_grouped_mm(a, b, offs, out_dtype)
     a_data, a_scale = _kmajor(a)
     b_data, b_scale = _kmajor(b.mT)  # [E, N, K] or [K, T]: contraction last
     ops = _ops()
@@ -248,10 +248,12 @@ def expand_bf16(t):
     return _ops().dequantize_bf16(*_kmajor(t.mT)).mT
 
 
-def bf16_grouped_mm(a16: torch.Tensor, b16: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``torch._grouped_mm`` of BF16 operands; it writes BF16 (torch 2.11 takes no other output
-    dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel)."""
-    return bf16_to(torch._grouped_mm(a16, b16, offs), out_dtype)
+def bf16_grouped_mm(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._grouped_mm`` of the BF16 values of ``a`` and ``b`` (MXTensors expanded by
+    :func:`expand_bf16`, BF16 tensors as they are); it writes BF16 (torch 2.11 takes no other output
+    dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel) once the expansions
+    are freed (peak memory)."""
+    return bf16_to(torch._grouped_mm(expand_bf16(a), expand_bf16(b), offs), out_dtype)
 
 
 def bf16_to(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

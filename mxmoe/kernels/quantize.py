@@ -137,8 +137,8 @@ _GLUON_TILES = {
 
 
 def _use_gluon(x3: torch.Tensor) -> bool:
-    """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_dual_bf16
-    with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90 (the GPUs it was checked on),
+    """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_columnwise /
+    qdq_dual_bf16 with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90 (the GPUs it was checked on),
     unit stride along K, Gluon importable, not disabled by MXMOE_QUANT_GLUON=0."""
     if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
         return False
