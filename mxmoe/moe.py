@@ -90,6 +90,7 @@ class MoE(nn.Module):
     Parameters:
         router.weight ``[E, D]``; w13 ``[E, 2F, D]`` (gate rows ``[:F]``, up rows ``[F:]``); w2 ``[E, D, F]``.
     Raises:
+        TypeError: sizes or ``top_k`` that are not integers; a recipe that is neither a name nor a Recipe.
         ValueError: non-positive sizes, ``top_k`` outside ``[1, num_experts]``, or dims not divisible
             by 32 under MXFP8 (or by 8 under bf16: BF16 grouped GEMMs need 16-byte rows).
     """
@@ -97,14 +98,18 @@ class MoE(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int,
                  recipe: "str | Recipe" = "mxfp8", aux_loss_coef: float = 0.01, renormalize: bool | None = None):
         super().__init__()
+        def whole(name, v):  # ints, numpy / torch integer scalars
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                return operator.index(v)
+            except TypeError:
+                raise TypeError(f"{name} must be an int, got {v!r}") from None
+
+        dim, ffn_dim, num_experts = whole("dim", dim), whole("ffn_dim", ffn_dim), whole("num_experts", num_experts)
         if min(dim, ffn_dim, num_experts) < 1:
             raise ValueError(f"dim, ffn_dim and num_experts must be positive, got {dim}, {ffn_dim}, {num_experts}")
-        if isinstance(top_k, bool):
-            raise TypeError(f"top_k must be an int, got {top_k!r}")
-        try:
-            top_k = operator.index(top_k)  # ints, numpy / torch integer scalars
-        except TypeError:
-            raise TypeError(f"top_k must be an int, got {top_k!r}") from None
+        top_k = whole("top_k", top_k)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k

@@ -152,7 +152,7 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
     """
     if _validate:
         _check_grouped_operands(a, b, offs)
-        if out_dtype is not None and not out_dtype.is_floating_point:
+        if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
             raise TypeError(f"grouped_mm: out_dtype must be a floating dtype, got {out_dtype}")
     if _is_mx(a):
         out_dtype = out_dtype or torch.bfloat16
@@ -361,7 +361,7 @@ class _MXGroupedLinear(torch.autograd.Function):
         # backward operands, quantized now so FP8 (not BF16) is what is kept
         if x_saved is None:
             x_saved = (quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule) if recipe.wgrad_mxfp8
-                       else x.detach().to(torch.bfloat16))  # along tokens
+                       else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
         ctx.recipe, ctx.expansion = recipe, exp is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
         # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
@@ -407,7 +407,7 @@ class _MXGroupedLinear(torch.autograd.Function):
                 else:
                     dw = _product(dyq_t, x_saved, offs, torch.float32)
             else:
-                dw = grouped_mm(dy.to(torch.bfloat16).t(), x_saved, offs, _validate=False)
+                dw = grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False)
             dw = dw.to(ctx.w_dtype)
         return dx, dw, None, None, None, None
 
@@ -448,8 +448,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             groups not on 32-row boundaries, ``x_mx`` / ``x_wgrad`` not matching x and the recipe.
         TypeError: non-float inputs, ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
 
-    Under ``mxfp8_bf16_wgrad`` dW comes from BF16 ``torch._grouped_mm``, which writes BF16: it is
-    rounded to BF16 as in the ``bf16`` recipe. First-order gradients only (no double backward).
+    Under ``mxfp8_bf16_wgrad`` dW comes from a plain product in ``recipe.compute_dtype``: BF16
+    ``torch._grouped_mm`` by default, which writes BF16, so dW is rounded to BF16 as in the ``bf16`` recipe. First-order gradients only (no double backward).
     """
     recipe = get_recipe(recipe)
     if validate:

@@ -7,14 +7,22 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the three GEMMs of an expert linear layer (fprop, dgrad, wgrad) are computed."""
+    """How the three GEMMs of an expert linear layer (fprop, dgrad, wgrad) are computed.
+
+    Raises:
+        TypeError: a flag that is not a bool, a name that is not a string.
+        ValueError: a value outside its choices (``weight_block`` other than the int 1 or 32, ``align``
+            not a positive int, ...), or a field that needs an MXFP8 recipe on one that is not
+            (``weight_block`` 32, ``requantize_weights``, ``swiglu_input_fp8``).
+    """
 
     name: str
     mxfp8: bool = False  # quantize operands to MXFP8 along each GEMM's contraction dim
     weight_block: int = 1  # 1: standard 1x32 weight blocks; 32: one scale per 32x32 weight tile
     wgrad_mxfp8: bool = True  # False: wgrad in BF16 even under mxfp8
     scale_rule: str = "rceil"  # E8M0 scale rule, "rceil" or "floor" (mxmoe.formats.ScaleRule)
-    compute_dtype: str = "bfloat16"  # operand dtype of the non-MX products ("float32" for the exact test recipe)
+    compute_dtype: str = "bfloat16"  # operand dtype of the non-MX products (the plain recipes', and the wgrad of
+    # wgrad_mxfp8=False); "float32" for the exact test recipe
     align: int = 32  # rows of each expert group are padded to a multiple of this (32 = one MX block of tokens)
     # keep the SwiGLU input h [M, 2F] for backward as MXFP8 along 2F (1x32, E4M3 + E8M0: about half
     # of BF16's bytes) instead of BF16; SwiGLU's gradient is then taken at h's MX values (DeepSeek-V3
@@ -27,14 +35,21 @@ class Recipe:
     requantize_weights: bool = False
 
     def __post_init__(self):
-        if self.weight_block not in (1, 32):
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a string, got {self.name!r}")
+        for flag in ("mxfp8", "wgrad_mxfp8", "swiglu_input_fp8", "requantize_weights"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if type(self.weight_block) is not int or self.weight_block not in (1, 32):
             raise ValueError(f"weight_block must be 1 (1x32 blocks) or 32 (32x32 tiles), got {self.weight_block}")
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
         if self.compute_dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype!r}")
-        if not isinstance(self.align, int) or self.align < 1:
+        if type(self.align) is not int or self.align < 1:
             raise ValueError(f"align must be a positive number of rows, got {self.align!r}")
+        if self.weight_block != 1 and not self.mxfp8:
+            raise ValueError("weight_block sets the MX scale blocks of the weights: it needs an MXFP8 recipe (mxfp8=True)")
         if self.requantize_weights and not self.mxfp8:
             raise ValueError("requantize_weights applies to the FP8 weight copies of MXFP8 recipes (mxfp8=True)")
         if self.swiglu_input_fp8 and not self.mxfp8:
@@ -53,6 +68,7 @@ class Recipe:
                              f"got {dim} and {ffn_dim}")
 
     def with_(self, **kw) -> "Recipe":
+        """A copy with the given fields changed (``dataclasses.replace``); raises as :class:`Recipe`."""
         return replace(self, **kw)
 
 
@@ -71,10 +87,12 @@ def get_recipe(recipe: "str | Recipe") -> Recipe:
     """Look up a named recipe (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ...) or pass a Recipe through.
 
     Raises:
-        ValueError: unknown name.
+        TypeError: neither a string nor a Recipe. ValueError: unknown name.
     """
     if isinstance(recipe, Recipe):
         return recipe
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a name or a Recipe, got {type(recipe).__name__}")
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     return RECIPES[recipe]

@@ -270,6 +270,46 @@ def test_requantize_weights_same_numbers(recipe):
         assert torch.equal(a, b)
 
 
+def test_session11_trial_findings():
+    """Found by the session-11 fresh-user trial: recipe fields and sizes of the wrong type, a recipe
+    that is neither a name nor a Recipe, a dtype given as a string: each a clear error."""
+    from mxmoe.recipes import Recipe, get_recipe
+
+    with pytest.raises(TypeError, match="mxfp8 must be True or False"):
+        get_recipe("mxfp8").with_(mxfp8="no")
+    with pytest.raises(TypeError, match="requantize_weights must be True or False"):
+        get_recipe("mxfp8").with_(requantize_weights="yes")
+    with pytest.raises(TypeError, match="name must be a string"):
+        Recipe(None)
+    with pytest.raises(ValueError, match="weight_block must be 1"):
+        get_recipe("mxfp8").with_(weight_block=32.0)
+    with pytest.raises(ValueError, match="weight_block sets the MX scale blocks"):
+        get_recipe("bf16").with_(weight_block=32)
+    with pytest.raises(TypeError, match="recipe must be a name or a Recipe"):
+        get_recipe({"name": "mxfp8"})
+    with pytest.raises(TypeError, match="dim must be an int"):
+        mxmoe.MoE(64.0, 64, 4, 2)
+    x = torch.randn(64, 64)
+    with pytest.raises(TypeError, match="out_dtype"):
+        grouped_mm(mxmoe.quantize(x), mxmoe.quantize(torch.randn(2, 32, 64)).mT, offsets([32, 32]), out_dtype="bfloat16")
+
+
+def test_bf16_wgrad_recipe_takes_compute_dtype():
+    """mxfp8_bf16_wgrad's plain wgrad runs in recipe.compute_dtype (BF16 by default)."""
+    from mxmoe.recipes import get_recipe
+
+    g = torch.Generator().manual_seed(9)
+    x, w, dy = torch.randn(96, 64, generator=g), torch.randn(3, 32, 64, generator=g), torch.randn(96, 32, generator=g)
+    offs = offsets([32, 0, 64])
+    ref = torch.stack([dy[s:e].double().t() @ x[s:e].double() for s, e in ((0, 32), (32, 32), (32, 96))])
+    err = {}
+    for dt in ("bfloat16", "float32"):
+        ww = w.clone().requires_grad_()
+        grouped_linear(x, ww, offs, get_recipe("mxfp8_bf16_wgrad").with_(compute_dtype=dt)).backward(dy)
+        err[dt] = rel(ww.grad, ref)
+    assert err["float32"] < 1e-6 < 1e-4 < err["bfloat16"]
+
+
 def test_x_wgrad_with_mx_values_equals_plain_call():
     """grouped_linear(x_wgrad=...) on x that holds its MX values: the same product and gradients
     as the plain call (which quantizes x itself)."""
