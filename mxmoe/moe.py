@@ -72,6 +72,16 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     return slot_rows, ends.to(torch.int32), M, counts
 
 
+def _as_int(name: str, v) -> int:
+    """``v`` as an int (ints, numpy / torch integer scalars; not bools), else TypeError naming ``name``."""
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {v!r}")
+
+
 class MoE(nn.Module):
     """Sparse mixture-of-experts feed-forward layer with SwiGLU experts.
 
@@ -98,18 +108,10 @@ class MoE(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int,
                  recipe: "str | Recipe" = "mxfp8", aux_loss_coef: float = 0.01, renormalize: bool | None = None):
         super().__init__()
-        def whole(name, v):  # ints, numpy / torch integer scalars
-            try:
-                if isinstance(v, bool):
-                    raise TypeError
-                return operator.index(v)
-            except TypeError:
-                raise TypeError(f"{name} must be an int, got {v!r}") from None
-
-        dim, ffn_dim, num_experts = whole("dim", dim), whole("ffn_dim", ffn_dim), whole("num_experts", num_experts)
+        dim, ffn_dim, num_experts = _as_int("dim", dim), _as_int("ffn_dim", ffn_dim), _as_int("num_experts", num_experts)
         if min(dim, ffn_dim, num_experts) < 1:
             raise ValueError(f"dim, ffn_dim and num_experts must be positive, got {dim}, {ffn_dim}, {num_experts}")
-        top_k = whole("top_k", top_k)
+        top_k = _as_int("top_k", top_k)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k

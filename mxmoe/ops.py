@@ -449,7 +449,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
         TypeError: non-float inputs, ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
 
     Under ``mxfp8_bf16_wgrad`` dW comes from a plain product in ``recipe.compute_dtype``: BF16
-    ``torch._grouped_mm`` by default, which writes BF16, so dW is rounded to BF16 as in the ``bf16`` recipe. First-order gradients only (no double backward).
+    ``torch._grouped_mm`` by default, which writes BF16, so dW is rounded to BF16 as in the ``bf16``
+    recipe. First-order gradients only (no double backward).
     """
     recipe = get_recipe(recipe)
     if validate:

@@ -126,7 +126,7 @@ def sm90_gemm_backend(weight_block: int) -> str:
 # 0.67-1.05x, ahead of the expansion on most GEMMs, but the layer on Gluon is still slower (mxfp8_2d
 # 0.76-0.93x BF16 vs 0.85-1.02x expanded): its 1x32 wgrad runs at 0.49-0.64x.
 # Session 11 (moe_layer_routes_s11.json): "mixed" (Gluon fprop/dgrad, expanded wgrad) with 32x32 weights
-# 0.95x on Llama-4 (default 0.89-0.90x) but 0.72-1.01x elsewhere (default 0.80-1.03x): our kernel's
+# 0.95x on Llama-4 (default 0.89-0.90x) but 0.62-1.01x elsewhere (default 0.80-1.03x): our kernel's
 # fprop+dgrad match the BF16 products' time in the layer, and the fused BF16-writing permutation and
 # SwiGLU are lost.
 _SM90_DEFAULT = {1: "bf16", 32: "bf16"}
