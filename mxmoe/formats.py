@@ -32,6 +32,13 @@ E8M0_BIAS = 127  # E8M0 byte b means 2^(b - 127)
 E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
 BLOCK = 32  # elements per scale along the quantized axis (OCP MX v1.0)
+# Scale groups (DESIGN §9): how many elements share one E8M0 scale. Scales are always stored per
+# 32-element block (so every tensor is standard MXFP8); coarser groups replicate their scale.
+#   (1, 32)    standard 1x32 blocks along the quantized axis
+#   (1, 128)   one scale per 128 consecutive elements along the quantized axis (Hopper-fast activations)
+#   (32, 32)   one scale per 32x32 tile of the last two dims (weights: one quantization for fprop and dgrad)
+#   (128, 128) one scale per 128x128 tile of the last two dims (Hopper-fast weights)
+BLOCKS = ((1, 32), (1, 128), (32, 32), (128, 128))
 
 
 class ScaleRule(str, enum.Enum):
@@ -77,7 +84,7 @@ def e8m0_to_float(scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
     return val.to(dtype)
 
 
-def _check_input(x: torch.Tensor, axis: int) -> int:
+def _check_input(x: torch.Tensor, axis: int, group: int = BLOCK) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
@@ -89,11 +96,28 @@ def _check_input(x: torch.Tensor, axis: int) -> int:
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"axis {axis} is out of range for a {x.dim()}-dimensional tensor")
     axis = axis % x.dim()
-    if x.shape[axis] % BLOCK != 0:
+    if x.shape[axis] % group != 0:
+        what = "the MX block size" if group == BLOCK else "the scale group"
         raise ValueError(
-            f"the quantized axis {axis} has size {x.shape[axis]}, which is not divisible by the MX block size {BLOCK}"
+            f"the quantized axis {axis} has size {x.shape[axis]}, which is not divisible by {what} {group}"
         )
     return axis
+
+
+def normalize_block(block) -> tuple[int, int]:
+    """``block`` as one of :data:`BLOCKS`: an int ``n`` means ``(1, n)``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    b = (1, block) if isinstance(block, int) and not isinstance(block, bool) else block
+    try:
+        b = tuple(int(v) for v in b)
+    except TypeError:
+        b = None
+    if b not in BLOCKS:
+        raise ValueError(f"block must be one of 32, 128, {', '.join(str(x) for x in BLOCKS)}; got {block!r}")
+    return b
 
 
 @dataclass
@@ -105,10 +129,12 @@ class MXTensor:
         scale: ``torch.float8_e8m0fnu``, row-major, the original shape with ``axis`` divided by 32.
         axis: the quantized (contraction) axis, non-negative.
         scale_rule: ``"rceil"`` or ``"floor"``.
-        block: ``(1, 32)`` for standard blocks, ``(32, 32)`` when one scale was chosen per 32x32
-            tile of the last two dims (the scale is then stored replicated, so the tensor is
-            still a standard 1x32 MX tensor along ``axis``, and :meth:`requantize_free_swap`
-            gives the other orientation with no new rounding).
+        block: the scale group the scales were chosen over (:data:`BLOCKS`): ``(1, 32)`` for
+            standard blocks, ``(1, 128)`` for one scale per 128 elements along ``axis``, ``(32, 32)`` or
+            ``(128, 128)`` when one scale was chosen per square tile of the last two dims. Scales are
+            always stored per 32 elements (replicated over coarser groups), so the tensor is a
+            standard 1x32 MX tensor along ``axis``; for square tiles :meth:`requantize_free_swap`
+            gives the other orientation with no new rounding.
     """
 
     data: torch.Tensor
@@ -147,8 +173,8 @@ class MXTensor:
         dim0, dim1 = dim0 % nd, dim1 % nd
         axis = {dim0: dim1, dim1: dim0}.get(self.axis, self.axis)
         block = self.block
-        if block == (BLOCK, BLOCK) and dim0 != dim1 and {dim0, dim1} != {nd - 2, nd - 1}:
-            block = (1, BLOCK)  # the 32x32 tiles no longer lie on the last two dims: plain 1x32 from here on
+        if block[0] > 1 and dim0 != dim1 and {dim0, dim1} != {nd - 2, nd - 1}:
+            block = (1, block[1])  # the tiles no longer lie on the last two dims: groups along the axis only
         return MXTensor(self.data.transpose(dim0, dim1), self.scale.transpose(dim0, dim1), axis,
                         self.scale_rule, block)
 
@@ -157,13 +183,16 @@ class MXTensor:
         return self.transpose(-2, -1)
 
     def requantize_free_swap(self) -> "MXTensor":
-        """For 32x32-block tensors: the same data quantized along the other of the last two dims.
+        """For square-tile tensors (32x32, 128x128): the same data quantized along the other of the
+        last two dims.
 
-        The scales of a 32x32 tile are equal, so the data bytes are unchanged; only the scale
-        storage is re-replicated. Raises ValueError for 1x32 tensors (they need a new rounding).
+        The scales of a tile are equal, so the data bytes are unchanged; only the scale storage is
+        re-replicated. Raises ValueError for 1x32 / 1x128 tensors (they need a new rounding) and where
+        the other dim is not a whole number of tiles.
         """
-        if self.block != (BLOCK, BLOCK):
-            raise ValueError("only 32x32-block MX tensors can change orientation without requantizing")
+        if self.block[0] == 1:
+            raise ValueError("only square-tile MX tensors (32x32, 128x128) can change orientation without "
+                             "requantizing")
         nd = self.data.dim()
         if self.axis == nd - 1:  # scale [..., R, C/32] -> [..., ceil(R/32), C]
             s = self.scale[..., ::BLOCK, :].repeat_interleave(BLOCK, dim=-1)
@@ -172,7 +201,7 @@ class MXTensor:
             s = self.scale[..., :, ::BLOCK].repeat_interleave(BLOCK, dim=-2)
             other = nd - 1
         else:
-            raise ValueError("32x32 blocks live on the last two dims")
+            raise ValueError("square tiles live on the last two dims")
         if self.data.shape[other] % BLOCK != 0:
             raise ValueError(f"dim {other} has size {self.data.shape[other]}, not divisible by {BLOCK}")
         return MXTensor(self.data, s.contiguous(), other, self.scale_rule, self.block)
@@ -214,47 +243,52 @@ def quantize(
 
     Args:
         x: floating tensor (float32, bfloat16, float16 or float64), any shape with ``x.shape[axis]``
-            divisible by 32. Need not be contiguous. Quantization works on FP32 values: float64 input
-            is first rounded to float32 (as torch's own float8 casts do), so magnitudes beyond
-            FP32's range become Inf and their blocks NaN.
+            divisible by the scale group along it (32 or 128). Need not be contiguous. Quantization
+            works on FP32 values: float64 input is first rounded to float32 (as torch's own float8
+            casts do), so magnitudes beyond FP32's range become Inf and their blocks NaN.
         axis: the quantized (contraction) axis; ``-1`` is rowwise, ``0`` of a 2D tensor columnwise.
         scale_rule: ``"rceil"`` (default) or ``"floor"``; see :class:`ScaleRule`.
-        block: ``32`` / ``(1, 32)`` for standard 1x32 blocks, or ``(32, 32)`` for one scale per
-            32x32 tile of the last two dims (``axis`` must then be one of them; the other dim may
-            end in a partial tile).
+        block: the scale group (:data:`BLOCKS`): ``32`` / ``(1, 32)`` standard 1x32 blocks; ``128`` /
+            ``(1, 128)`` one scale per 128 elements along ``axis``; ``(32, 32)`` or ``(128, 128)`` one
+            scale per square tile of the last two dims (``axis`` must then be one of them, its size a
+            multiple of the tile; the other dim may end in a partial tile). The group's scale is the
+            one its amax gives (same rules as for 32 elements), stored replicated per 32 elements.
     Returns:
         :class:`MXTensor` with contiguous ``data`` (``float8_e4m3fn``, shape of ``x``) and
         ``scale`` (``float8_e8m0fnu``, shape of ``x`` with ``axis`` divided by 32).
     Raises:
         TypeError: ``x`` is not a float16/bfloat16/float32/float64 tensor.
-        ValueError: ``x.shape[axis]`` is not divisible by 32, or a bad ``block``.
+        ValueError: ``x.shape[axis]`` is not divisible by the scale group, or a bad ``block``.
     """
-    axis = _check_input(x, axis)
+    block = normalize_block(block)
+    tile, group = block
+    axis = _check_input(x, axis, group)
     rule = ScaleRule(scale_rule)
-    block = (1, block) if isinstance(block, int) else tuple(block)
-    if block not in ((1, BLOCK), (BLOCK, BLOCK)):
-        raise ValueError(f"block must be 32, (1, 32) or (32, 32), got {block}")
     nd = x.dim()
     xf = x.to(torch.float32)
-    if block == (1, BLOCK):
+    if tile == 1:
         xm = xf.movedim(axis, -1)  # [..., L]
+        xg = xm.reshape(*xm.shape[:-1], xm.shape[-1] // group, group)  # [..., L/G, G]
+        amax = _block_amax(xg).repeat_interleave(group // BLOCK, dim=-1)  # [..., L/32], per 32-block
         xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)  # [..., L/32, 32]
-        data, scale = _quantize_blocks(xb, _block_amax(xb), rule)
+        data, scale = _quantize_blocks(xb, amax, rule)
         data = data.reshape(xm.shape).movedim(-1, axis).contiguous()
         scale = scale.movedim(-1, axis).contiguous()
         return MXTensor(data, scale, axis, rule.value, block)
 
     if nd < 2 or axis not in (nd - 2, nd - 1):
-        raise ValueError(f"32x32 blocks need a tensor of >= 2 dims quantized along one of its last two; got axis {axis} of {nd}")
-    # Move the quantized axis last: [..., R, C] with C % 32 == 0; pad R up to a multiple of 32
-    # with zeros (they never raise a block's amax) for the tile reduction.
+        raise ValueError(f"{tile}x{tile} blocks need a tensor of >= 2 dims quantized along one of its last two; "
+                         f"got axis {axis} of {nd}")
+    # Move the quantized axis last: [..., R, C] with C % tile == 0; pad R up to a multiple of the
+    # tile with zeros (they never raise a tile's amax) for the tile reduction.
     xm = xf if axis == nd - 1 else xf.transpose(-2, -1)
     R, C = xm.shape[-2], xm.shape[-1]
-    Rp = -(-R // BLOCK) * BLOCK
+    Rp = -(-R // tile) * tile
     xp = torch.nn.functional.pad(xm, (0, 0, 0, Rp - R)) if Rp != R else xm
-    tiles = xp.reshape(*xp.shape[:-2], Rp // BLOCK, BLOCK, C // BLOCK, BLOCK).transpose(-3, -2)  # [..,R/32,C/32,32,32]
-    tile_amax = _block_amax(tiles.reshape(*tiles.shape[:-2], BLOCK * BLOCK))  # [..., R/32, C/32]
-    amax_rows = tile_amax.repeat_interleave(BLOCK, dim=-2)[..., :R, :]  # [..., R, C/32]
+    tiles = xp.reshape(*xp.shape[:-2], Rp // tile, tile, C // tile, tile).transpose(-3, -2)  # [.., R/T, C/T, T, T]
+    tile_amax = _block_amax(tiles.reshape(*tiles.shape[:-2], tile * tile))  # [..., R/T, C/T]
+    amax_rows = tile_amax.repeat_interleave(tile, dim=-2)[..., :R, :]  # [..., R, C/T]
+    amax_rows = amax_rows.repeat_interleave(tile // BLOCK, dim=-1)  # [..., R, C/32]
     xb = xm.reshape(*xm.shape[:-1], C // BLOCK, BLOCK)
     data, scale = _quantize_blocks(xb, amax_rows, rule)
     data = data.reshape(xm.shape)

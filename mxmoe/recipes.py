@@ -18,7 +18,11 @@ class Recipe:
 
     name: str
     mxfp8: bool = False  # quantize operands to MXFP8 along each GEMM's contraction dim
-    weight_block: int = 1  # 1: standard 1x32 weight blocks; 32: one scale per 32x32 weight tile
+    weight_block: int = 1  # 1: standard 1x32 weight blocks; 32 / 128: one scale per 32x32 / 128x128 weight tile
+    # elements per scale of activations and gradients along each product's contraction dim (K, N, or
+    # tokens for wgrad): 32 (OCP MX blocks) or 128 (DESIGN §9, the Hopper-fast groups; stored as MXFP8
+    # with each scale replicated over its four 32-blocks)
+    act_block: int = 32
     wgrad_mxfp8: bool = True  # False: wgrad in BF16 even under mxfp8
     scale_rule: str = "rceil"  # E8M0 scale rule, "rceil" or "floor" (mxmoe.formats.ScaleRule)
     compute_dtype: str = "bfloat16"  # operand dtype of the non-MX products (the plain recipes', and the wgrad of
@@ -40,8 +44,11 @@ class Recipe:
         for flag in ("mxfp8", "wgrad_mxfp8", "swiglu_input_fp8", "requantize_weights"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if type(self.weight_block) is not int or self.weight_block not in (1, 32):
-            raise ValueError(f"weight_block must be 1 (1x32 blocks) or 32 (32x32 tiles), got {self.weight_block}")
+        if type(self.weight_block) is not int or self.weight_block not in (1, 32, 128):
+            raise ValueError(f"weight_block must be 1 (1x32 blocks), 32 (32x32 tiles) or 128 (128x128 tiles), "
+                             f"got {self.weight_block!r}")
+        if type(self.act_block) is not int or self.act_block not in (32, 128):
+            raise ValueError(f"act_block must be 32 or 128 elements per scale, got {self.act_block!r}")
         if self.scale_rule not in ("rceil", "floor"):
             raise ValueError(f"scale_rule must be 'rceil' or 'floor', got {self.scale_rule!r}")
         if self.compute_dtype not in ("bfloat16", "float16", "float32"):
@@ -50,18 +57,31 @@ class Recipe:
             raise ValueError(f"align must be a positive number of rows, got {self.align!r}")
         if self.weight_block != 1 and not self.mxfp8:
             raise ValueError("weight_block sets the MX scale blocks of the weights: it needs an MXFP8 recipe (mxfp8=True)")
+        if self.act_block != 32 and not self.mxfp8:
+            raise ValueError("act_block sets the MX scale groups of activations: it needs an MXFP8 recipe (mxfp8=True)")
         if self.requantize_weights and not self.mxfp8:
             raise ValueError("requantize_weights applies to the FP8 weight copies of MXFP8 recipes (mxfp8=True)")
         if self.swiglu_input_fp8 and not self.mxfp8:
             raise ValueError("swiglu_input_fp8 keeps the SwiGLU input as MXFP8: it needs an MXFP8 recipe (mxfp8=True)")
+        if self.mxfp8 and self.wgrad_mxfp8 and self.align % self.act_block:
+            raise ValueError(f"MXFP8 wgrad quantizes along tokens in groups of {self.act_block}: expert groups are padded "
+                             f"to whole groups, so align must be a multiple of {self.act_block}, got {self.align}")
         if self.mxfp8 and self.align % 32:
             raise ValueError(f"MXFP8 recipes pad expert groups to whole 32-token blocks: align must be a multiple of 32, got {self.align}")
 
+    @property
+    def scale_groups(self) -> int:
+        """Elements per scale the layer's dims must be whole multiples of: the largest of the
+        activation group and the weight tile (32 for the OCP MX recipes, 128 for ``mxfp8_128``)."""
+        return max(self.act_block, self.weight_block, 32) if self.mxfp8 else 1
+
     def check_dims(self, dim: int, ffn_dim: int) -> None:
         """Raise ValueError unless an MoE layer of width ``dim`` and expert width ``ffn_dim`` can run this
-        recipe: MXFP8 quantizes along both in 32-element blocks; BF16 operands need 16-byte rows."""
-        if self.mxfp8 and (dim % 32 or ffn_dim % 32):
-            raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by 32 (MXFP8 blocks), "
+        recipe: MXFP8 quantizes along both in 32-element blocks (128-element groups and tiles under
+        ``mxfp8_128``); BF16 operands need 16-byte rows."""
+        g = self.scale_groups
+        if self.mxfp8 and (dim % g or ffn_dim % g):
+            raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by {g} (MXFP8 scale groups), "
                              f"got {dim} and {ffn_dim}")
         if self.compute_dtype == "bfloat16" and (dim % 8 or ffn_dim % 8):
             raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), "
@@ -80,6 +100,10 @@ RECIPES: dict[str, Recipe] = {
     # mxfp8 holding less for backward: the SwiGLU input kept in MXFP8, the weights requantized in backward
     "mxfp8_lowmem": Recipe("mxfp8_lowmem", mxfp8=True, swiglu_input_fp8=True, requantize_weights=True),
     "mxfp8_bf16_wgrad": Recipe("mxfp8_bf16_wgrad", mxfp8=True, wgrad_mxfp8=False),
+    # the Hopper-fast MX recipe (DESIGN §9): activations and gradients 1x128 along each contraction dim
+    # (128x1 along tokens for wgrad; expert groups padded to 128 rows), weights 128x128 tiles; every
+    # tensor still MXFP8 (scales replicated per 32), promoted once per 128 of K on Hopper
+    "mxfp8_128": Recipe("mxfp8_128", mxfp8=True, act_block=128, weight_block=128, align=128),
 }
 
 
