@@ -36,7 +36,8 @@ def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=B
         x: float16/bfloat16/float32/float64 tensor with ``x.shape[axis] % 32 == 0``.
         axis: quantized (contraction) axis.
         scale_rule: ``"rceil"`` (default) or ``"floor"``.
-        block: ``32`` (1x32) or ``(32, 32)`` (one scale per 32x32 tile of the last two dims).
+        block: the scale group, one of :data:`mxmoe.formats.BLOCKS`: ``32`` (1x32), ``128`` (1x128),
+            ``(32, 32)`` or ``(128, 128)`` (one scale per square tile of the last two dims).
     Returns:
         :class:`~mxmoe.formats.MXTensor` (E4M3 data, row-major E8M0 scales).
     Raises:
@@ -121,9 +122,10 @@ def _check_grouped_operands(a, b, offs) -> None:
         check_offsets(offs, b.shape[0], a.shape[0], "rows")
     else:
         check_offsets(offs, None, a.shape[1], "contraction elements")
-        if _is_mx(a) and bool((offs % BLOCK != 0).any()):  # a 32-element block would mix two experts
+        group = max(a.block[1], b.block[1]) if _is_mx(a) else 1
+        if _is_mx(a) and bool((offs % group != 0).any()):  # a scale group would mix two experts
             raise ValueError(f"grouped_mm: MX operands contracted per group (wgrad) need every group to end on a "
-                             f"multiple of {BLOCK}, got offs {offs.tolist()}")
+                             f"multiple of {group} (their scale group), got offs {offs.tolist()}")
 
 
 def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -136,6 +138,7 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
           Rows past ``offs[-1]`` are unspecified (the reference writes zeros there).
         * 2D x 2D (wgrad): ``a [N, T]``, ``b [T, K]``, ``offs`` int32 ``[E]`` cumulative end along
           T; returns ``[E, N, K]``, ``out[e] = a[:, group e] @ b[group e]``; empty groups give zero.
+          MX operands' groups end on multiples of their scale group along T (32, or 128 for 1x128).
 
     Operands are both plain float tensors (bf16/fp16/fp32) or both :class:`MXTensor` quantized
     along the contraction dim (``a.axis == 1``; ``b.axis`` = its K dim). MX products equal the
@@ -148,7 +151,7 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
         TypeError: also a non-float ``out_dtype``.
         ValueError: wrong ranks, contraction mismatch, wrong quantized axis, offsets not
             non-decreasing, past the tensor, or a group count different from ``b.shape[0]``; 2D x 2D MX
-            operands with a group not ending on a multiple of 32.
+            operands with a group not ending on a multiple of their scale group (32 or 128).
     """
     if _validate:
         _check_grouped_operands(a, b, offs)
@@ -193,29 +196,35 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+def weight_block(recipe: Recipe) -> tuple[int, int]:
+    """The scale group of a recipe's expert weights: ``(1, 32)``, ``(32, 32)`` or ``(128, 128)``."""
+    return (recipe.weight_block, recipe.weight_block) if recipe.weight_block > 1 else (1, BLOCK)
+
+
 def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int) -> MXTensor:
     """Expert weights ``[E, N, K]`` quantized along ``axis`` (-1: K for fprop, -2: N for dgrad)."""
-    block = (BLOCK, BLOCK) if recipe.weight_block == BLOCK else (1, BLOCK)
-    return quantize(w, axis=axis, scale_rule=recipe.scale_rule, block=block)
+    return quantize(w, axis=axis, scale_rule=recipe.scale_rule, block=weight_block(recipe))
 
 
-def quantize_dual(x: torch.Tensor, scale_rule: str = "rceil") -> tuple[MXTensor, MXTensor]:
-    """``x [M, K]`` quantized along K and along M (``M % 32 == 0``): one read on CUDA."""
+def quantize_dual(x: torch.Tensor, scale_rule: str = "rceil", group: int = BLOCK) -> tuple[MXTensor, MXTensor]:
+    """``x [M, K]`` quantized along K and along M in 1 x ``group`` blocks (``M % group == 0``): one read
+    on CUDA."""
     if x.is_cuda:
         from mxmoe.kernels import dispatch
 
-        out = dispatch.quantize_dual_cuda(x, scale_rule)
+        out = dispatch.quantize_dual_cuda(x, scale_rule, group)
         if out is not None:
             return out
-    return quantize(x, -1, scale_rule), quantize(x, 0, scale_rule)
+    return quantize(x, -1, scale_rule, group), quantize(x, 0, scale_rule, group)
 
 
 def quantize_weight_both(w: torch.Tensor, recipe: Recipe) -> tuple[MXTensor, MXTensor]:
-    """32x32-block weights ``[E, N, K]`` along K (fprop) and along N (dgrad): one quantization."""
+    """Square-tile weights ``[E, N, K]`` (32x32 or 128x128) along K (fprop) and along N (dgrad): one
+    quantization."""
     if w.is_cuda:
         from mxmoe.kernels import dispatch
 
-        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule)
+        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule, recipe.weight_block)
         if out is not None:
             return out
     wq = quantize_weight(w, recipe, axis=-1)
@@ -234,7 +243,7 @@ def _expansion(x: torch.Tensor, w: torch.Tensor, recipe: Recipe):
         return None
     from mxmoe.kernels import dispatch
 
-    return dispatch if dispatch.expansion_route(recipe.weight_block, x, w) else None
+    return dispatch if dispatch.expansion_route(recipe, x, w) else None
 
 
 def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -262,8 +271,8 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
             raise TypeError(f"{name} must be an MXTensor, got {type(t).__name__}")
         if not recipe.mxfp8:
             raise ValueError(f"{name} is for MXFP8 recipes; the {recipe.name} recipe does not quantize")
-        if t.shape != x.shape or t.block != (1, BLOCK) or t.scale_rule != recipe.scale_rule:
-            raise ValueError(f"{name} must be x {tuple(x.shape)} in 1x32 blocks with the recipe's "
+        if t.shape != x.shape or t.block != (1, recipe.act_block) or t.scale_rule != recipe.scale_rule:
+            raise ValueError(f"{name} must be x {tuple(x.shape)} in 1x{recipe.act_block} blocks with the recipe's "
                              f"{recipe.scale_rule!r} rule, got {t!r}")
     if x_mx is not None and x_mx.axis != 1:
         raise ValueError(f"x_mx must be x quantized along K (axis 1), got axis {x_mx.axis}")
@@ -276,7 +285,7 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
                              f"with MX wgrad; got axis {x_wgrad.axis} under {recipe.name}")
         if x.dtype != torch.bfloat16:
             raise TypeError(f"with x_wgrad, x must be bfloat16 (its own BF16 MX values), got {x.dtype}")
-        xq = quantize(x.detach(), axis=-1, scale_rule=recipe.scale_rule).dequantize(torch.float32).to(x.dtype)
+        xq = quantize(x.detach(), -1, recipe.scale_rule, recipe.act_block).dequantize(torch.float32).to(x.dtype)
         if not _same_values(xq, x):
             raise ValueError("with x_wgrad, x must hold its own MX values along K (e.g. from ops.swiglu or "
                              "ops.permute_tokens); quantizing x changes it")
@@ -331,18 +340,18 @@ class _MXGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None):
-        rule = recipe.scale_rule
+        rule, g = recipe.scale_rule, recipe.act_block
         exp = _expansion(x, w, recipe)
         x_saved = None
         if x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
-            xq = x.detach() if exp else quantize(x, axis=-1, scale_rule=rule)  # requantizing MX values: lossless
+            xq = x.detach() if exp else quantize(x, -1, rule, g)  # requantizing MX values: lossless
             x_saved = x_wgrad
         elif x_mx is not None:
             xq = x_mx
-        elif recipe.wgrad_mxfp8 and x.shape[0] % BLOCK == 0:  # fprop (along K) + wgrad (along tokens) operands
-            xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule)
+        elif recipe.wgrad_mxfp8 and x.shape[0] % g == 0:  # fprop (along K) + wgrad (along tokens) operands
+            xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule, g)
         else:
-            xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, axis=-1, scale_rule=rule)
+            xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, -1, rule, g)
         tile32 = recipe.weight_block == BLOCK
         if exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
             wq, w_dgrad = exp.qdq_rowwise(w.detach(), rule, tile32), None
@@ -353,14 +362,14 @@ class _MXGroupedLinear(torch.autograd.Function):
             # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
             # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
             wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
-        elif tile32 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
+        elif recipe.weight_block > 1 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
             wq, w_dgrad = quantize_weight_both(w, recipe)
         else:
             wq, w_dgrad = quantize_weight(w, recipe, axis=-1), None  # [E, N, K] along K
         y = _product(xq, wq.mT, offs, x.dtype)
         # backward operands, quantized now so FP8 (not BF16) is what is kept
         if x_saved is None:
-            x_saved = (quantize(_pad_rows(x.detach(), BLOCK), axis=0, scale_rule=rule) if recipe.wgrad_mxfp8
+            x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g) if recipe.wgrad_mxfp8
                        else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
         ctx.recipe, ctx.expansion = recipe, exp is not None
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
@@ -374,7 +383,7 @@ class _MXGroupedLinear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        recipe, rule = ctx.recipe, ctx.recipe.scale_rule
+        recipe, rule, g = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block
         offs, w, *rest = ctx.saved_tensors
         x_saved, w_dgrad = _unpack(rest[:ctx.n_x], ctx.x_meta), _unpack(rest[ctx.n_x:], ctx.w_meta)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -387,19 +396,19 @@ class _MXGroupedLinear(torch.autograd.Function):
                 dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
             elif need_dx:
                 dyq = dispatch.qdq_rowwise(dy, rule)
-        elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
-            dyq, dyq_t = quantize_dual(dy, rule)  # FP8 along N (dgrad) and along tokens (wgrad): one read
+        elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % g == 0:
+            dyq, dyq_t = quantize_dual(dy, rule, g)  # FP8 along N (dgrad) and along tokens (wgrad): one read
             dyq_t = dyq_t.mT
         if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
             if dyq is None:
-                dyq = quantize(dy, axis=-1, scale_rule=rule)
+                dyq = quantize(dy, -1, rule, g)
             wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion)
             dx = _product(dyq, wq_n, offs, ctx.x_dtype)
             dyq = wq_n = None  # dgrad's operands freed before wgrad's are made (peak memory)
         if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
             if recipe.wgrad_mxfp8:
                 if dyq_t is None:
-                    dyq_t = quantize(_pad_rows(dy, BLOCK), axis=0, scale_rule=rule).mT  # [N, M] along tokens
+                    dyq_t = quantize(_pad_rows(dy, g), 0, rule, g).mT  # [N, M] along tokens
                 if ctx.expansion:  # torch._grouped_mm writes BF16: cast once its operands are freed (peak memory)
                     dw = _product(dyq_t, x_saved, offs, torch.bfloat16)
                     dyq_t = None
@@ -460,13 +469,16 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
         if x.shape[1] != w.shape[2]:
             raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
-        if recipe.mxfp8 and (w.shape[1] % BLOCK or w.shape[2] % BLOCK):
-            raise ValueError(f"MXFP8 needs N and K divisible by {BLOCK}, got w of shape {tuple(w.shape)}")
+        sg = recipe.scale_groups
+        if recipe.mxfp8 and (w.shape[1] % sg or w.shape[2] % sg):
+            raise ValueError(f"the {recipe.name} recipe needs N and K divisible by {sg} (its MX scale groups), "
+                             f"got w of shape {tuple(w.shape)}")
         check_offsets(offs, w.shape[0], x.shape[0])
-        if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % BLOCK != 0).any()):
+        g = recipe.act_block
+        if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % g != 0).any()):
             raise ValueError(
-                f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {BLOCK}: every "
-                f"expert group must end on a multiple of {BLOCK} rows (pad the groups, as mxmoe.MoE does), "
+                f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {g}: every "
+                f"expert group must end on a multiple of {g} rows (pad the groups, as mxmoe.MoE does), "
                 f"got offs {offs.tolist()}")
         _check_prequantized(x, x_mx, x_wgrad, recipe)
         if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd

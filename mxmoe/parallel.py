@@ -202,11 +202,11 @@ class _MXDispatch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, plan: DispatchPlan, top_k: int, scale_rule: str, grad_dtype, group):
+    def forward(ctx, x, plan: DispatchPlan, top_k: int, scale_rule: str, grad_dtype, group, act_block: int = BLOCK):
         T, D = x.shape
         Ds = D // BLOCK
         if T:
-            q = quantize(x, axis=-1, scale_rule=scale_rule)  # [T, D] e4m3, [T, D/32] e8m0
+            q = quantize(x, -1, scale_rule, act_block)  # [T, D] e4m3, [T, D/32] e8m0 (1x128: replicated)
             wire = torch.cat([q.data.view(torch.uint8), q.scale.view(torch.uint8)], dim=1)  # [T, D + D/32]
         else:
             wire = torch.empty(0, D + Ds, dtype=torch.uint8, device=x.device)
@@ -214,7 +214,7 @@ class _MXDispatch(torch.autograd.Function):
         data = recv.new_zeros(plan.rows, D).index_copy_(0, plan.dest_rows, recv[:, :D])  # zero rows: byte 0
         scale = recv.new_zeros(plan.rows, Ds).index_copy_(0, plan.dest_rows, recv[:, D:])  # and scale 2^-127
         data, scale = data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
-        xp = MXTensor(data, scale, axis=1, scale_rule=scale_rule).dequantize(x.dtype)  # [M, D]
+        xp = MXTensor(data, scale, 1, scale_rule, (1, act_block)).dequantize(x.dtype)  # [M, D]
         ctx.mark_non_differentiable(data, scale)
         ctx.plan, ctx.top_k, ctx.tokens, ctx.grad_dtype, ctx.group = plan, top_k, T, grad_dtype or x.dtype, group
         ctx.x_dtype = x.dtype
@@ -226,7 +226,7 @@ class _MXDispatch(torch.autograd.Function):
         g = grad_xp.index_select(0, plan.dest_rows).to(ctx.grad_dtype)  # [R, D] receive order
         g = _all_to_all(g, plan.send_splits, plan.recv_splits, ctx.group)  # [S, D] send order
         dx = _slot_sum(g.to(ctx.x_dtype), plan.send_slots, ctx.tokens, ctx.top_k)
-        return dx, None, None, None, None, None
+        return dx, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,10 +391,11 @@ class ExpertParallelMoE(MoE):
         how = self.resolved_dispatch_dtype(x.dtype)
         D = self.dim
         if how == "mxfp8":
+            g = self.recipe.act_block
             xp, data, scale = _MXDispatch.apply(x, plan, self.top_k, self.recipe.scale_rule,
-                                                self.combine_dtype, self.ep_group)
+                                                self.combine_dtype, self.ep_group, g)
             row_bytes = D + D // BLOCK
-            x_mx = MXTensor(data, scale, axis=1, scale_rule=self.recipe.scale_rule)
+            x_mx = MXTensor(data, scale, 1, self.recipe.scale_rule, (1, g))
         else:
             xs = _GatherSlots.apply(x, plan.send_slots, self.top_k).to(how)  # [S, D]
             xr = _AllToAll.apply(xs, plan.recv_splits, plan.send_splits, self.ep_group).to(x.dtype)  # [R, D]

@@ -25,6 +25,7 @@ from torch import nn
 
 from mxmoe.moe import MoE
 from mxmoe.ops import quantize
+from mxmoe.recipes import get_recipe
 
 WORLD = 2
 TOKENS = 24  # per rank
@@ -70,6 +71,8 @@ CASES = {
     # blocks (below ~2^-15 of that block's amax) round differently. Measured 4.4e-6; bound 1e-4.
     "mxfp8": Case(64, 96, 8, 2, "mxfp8", "mxfp8", False, (0, 5, 7), 1e-5, tol_w13=1e-4, spread=8),
     "mxfp8_2d_top1": Case(64, 96, 8, 1, "mxfp8_2d", "mxfp8", True, (3,), 1e-5),
+    # 1x128 dispatch (the received rows carry their 128-group scales) into the mxfp8_128 products
+    "mxfp8_128": Case(128, 128, 8, 2, "mxfp8_128", "mxfp8", True, (0, 5, 7), 1e-5),
 }
 
 
@@ -87,7 +90,7 @@ def build_case(name: str, device: str = "cpu"):
         x[:, 0] = 3.0  # a constant feature: a router row with a large negative entry there is never chosen
         full.router.weight[list(c.empty), 0] = -8.0
     if c.mx_input:
-        x = quantize(x).dequantize()
+        x = quantize(x, block=get_recipe(c.recipe).act_block).dequantize()
     return full.to(device), x.to(device), g.to(device)
 
 

@@ -45,9 +45,11 @@ def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block):
     with both of the last two dims divisible by 32). Quantization along dim -2 returns the
     K-major storage (data ``[.., K, M]``) viewed as the logical ``[.., M, K]`` tensor.
     """
-    from mxmoe.formats import BLOCK
+    from mxmoe.formats import BLOCK, normalize_block
 
-    block = (1, block) if isinstance(block, int) else tuple(block)
+    block = normalize_block(block)
+    if block not in ((1, BLOCK), (BLOCK, BLOCK)):
+        return None
     if x.dim() not in (2, 3) or x.dtype not in _QUANT_DTYPES or not _triton_ok():
         return None
     nd, axis = x.dim(), axis % x.dim()
@@ -68,11 +70,11 @@ def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block):
     return q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK))
 
 
-def quantize_dual_cuda(x: torch.Tensor, scale_rule: str):
-    """2D ``[M, K]`` along K and along M from one read, or None."""
+def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int = 32):
+    """2D ``[M, K]`` along K and along M in 1 x ``group`` blocks from one read, or None."""
     from mxmoe.formats import BLOCK
 
-    if x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % BLOCK or x.shape[1] % BLOCK or not _triton_ok():
+    if group != BLOCK or x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % BLOCK or x.shape[1] % BLOCK or not _triton_ok():
         return None
     from mxmoe.kernels import quantize as q
 
@@ -80,11 +82,12 @@ def quantize_dual_cuda(x: torch.Tensor, scale_rule: str):
     return q.rowwise_mxtensor(data, scale, scale_rule), q.columnwise_mxtensor(data_t, scale_t, scale_rule)
 
 
-def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str):
-    """32x32-block weights ``[E, N, K]`` in both orientations from one read: (along K, along N)."""
+def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str, tile: int = 32):
+    """``tile`` x ``tile`` block weights ``[E, N, K]`` in both orientations from one read: (along K,
+    along N), or None."""
     from mxmoe.formats import BLOCK
 
-    if w.dim() != 3 or w.dtype not in _QUANT_DTYPES or w.shape[-1] % BLOCK or w.shape[-2] % BLOCK or not _triton_ok():
+    if tile != BLOCK or w.dim() != 3 or w.dtype not in _QUANT_DTYPES or w.shape[-1] % BLOCK or w.shape[-2] % BLOCK or not _triton_ok():
         return None
     from mxmoe.kernels import quantize as q
 
@@ -168,13 +171,17 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted
 # --------------------------------------------------------------------------------------------
 # Hopper expansion route: BF16 MX values straight from the quantize-dequantize (QDQ) kernels
 # --------------------------------------------------------------------------------------------
-def expansion_route(weight_block: int, x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the MX products of an expert linear layer (x ``[M, K]``, w ``[E, N, K]``) run on
-    the Hopper expansion route (``sm90_gemm_backend(weight_block) == "bf16"``) with the QDQ
-    kernels covering both inputs (CUDA bf16/fp16/fp32, triton present)."""
+def expansion_route(recipe, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the MX products of an expert linear layer (x ``[M, K]``, w ``[E, N, K]``) under
+    ``recipe`` (a :class:`mxmoe.recipes.Recipe`) run on the Hopper expansion route
+    (``sm90_gemm_backend(weight_block) == "bf16"``) with the QDQ kernels covering both inputs (CUDA
+    bf16/fp16/fp32, triton present, 1x32 activation blocks and 1x32 / 32x32 weights: the QDQ kernels'
+    scale groups)."""
+    if recipe.act_block != 32 or recipe.weight_block not in (1, 32):
+        return False
     if not (x.is_cuda and x.dtype in _QUANT_DTYPES and w.dtype in _QUANT_DTYPES and _triton_ok()):
         return False
-    return _capability(x.device.index or 0) == (9, 0) and sm90_gemm_backend(weight_block) == "bf16"
+    return _capability(x.device.index or 0) == (9, 0) and sm90_gemm_backend(recipe.weight_block) == "bf16"
 
 
 def qdq_rowwise(x: torch.Tensor, scale_rule: str, tile32: bool = False) -> torch.Tensor:
