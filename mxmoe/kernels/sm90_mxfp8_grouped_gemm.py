@@ -59,8 +59,8 @@ from __future__ import annotations
 
 import torch
 
-from mxmoe.kernels.sm90_tile_config import (SMEM_PER_CTA, Sm90TileConfig, check_tile_config, sm90_tile_config,
-                                             smem_bytes)
+from mxmoe.kernels.sm90_tile_config import (SMEM_PER_CTA, Sm90TileConfig, check_tile_config, sm90_mx128_tile_config,
+                                             sm90_tile_config, smem_bytes)
 
 try:  # Triton (and Gluon) are optional: `import mxmoe` must work without them.
     import triton
@@ -83,6 +83,9 @@ __all__ = [
     "HAS_GLUON",
     "sm90_mxfp8_m_grouped_gemm",
     "sm90_mxfp8_k_grouped_gemm",
+    "sm90_mx128_m_grouped_gemm",
+    "sm90_mx128_k_grouped_gemm",
+    "sm90_mx128_scale_layouts",
     "sm90_scale_layout",
 ]
 
@@ -173,8 +176,12 @@ if HAS_GLUON:
     def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                   offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-        """TMA warp: fill the smem ring with A, B tiles and their scales, stage by stage."""
+                  BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                  SG: gl.constexpr):
+        """TMA warp: fill the smem ring with A, B tiles and their scales, stage by stage.
+
+        SG: 32-blocks per scale row (1: one row per 32 of K; 4: the 128-deep groups of the mx128 mode,
+        one scale row per 128 of K)."""
         KB: gl.constexpr = BK // 32
         nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes +
                                 sb_desc.block_type.nbytes)
@@ -193,11 +200,17 @@ if HAS_GLUON:
                 kb = kb0 + s * KB
                 tma.async_copy_global_to_shared(a_desc, [a_row, kb * 32], bar, a_bufs.index(idx))
                 tma.async_copy_global_to_shared(b_desc, [b_row, kb * 32], bar, b_bufs.index(idx))
-                tma.async_copy_global_to_shared(sa_desc, [kb, sa_col], bar, sa_bufs.index(idx))
-                if WB32:
-                    tma.async_copy_global_to_shared(sb_desc, [sb_row0 + s * KB, col0 // 32], bar, sb_bufs.index(idx))
+                if SG == 1:
+                    sa_r = kb
+                    sb_r = sb_row0 + s * KB
                 else:
-                    tma.async_copy_global_to_shared(sb_desc, [sb_row0 + s * KB, col0], bar, sb_bufs.index(idx))
+                    sa_r = kb // SG
+                    sb_r = (sb_row0 + s * KB) // SG
+                tma.async_copy_global_to_shared(sa_desc, [sa_r, sa_col], bar, sa_bufs.index(idx))
+                if WB32:
+                    tma.async_copy_global_to_shared(sb_desc, [sb_r, col0 // 32], bar, sb_bufs.index(idx))
+                else:
+                    tma.async_copy_global_to_shared(sb_desc, [sb_r, col0], bar, sb_bufs.index(idx))
                 it += 1
 
     @gluon.jit
@@ -249,6 +262,65 @@ if HAS_GLUON:
         return warpgroup_mma(a_j, b_j, p, use_acc=use_acc, is_async=True)
 
     @gluon.jit
+    def _stage_mma(a_buf, b_buf, ROW0: gl.constexpr, BMW: gl.constexpr, p):
+        """mx128 mode: one whole stage (BK deep) as one async wgmma call into a fresh partial: its BK/32
+        m64nBNk32 instructions are issued back to back, chained in the tensor core, one commit group."""
+        return warpgroup_mma(a_buf.slice(ROW0, BMW, dim=0), b_buf.permute((1, 0)), p, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _release(empty, idx):
+        # Generic-proxy reads of this stage (scales) must be ordered before the next TMA write.
+        fence_async_shared()
+        mbarrier.arrive(empty.index(idx), count=1)
+
+    @gluon.jit
+    def _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, nstages,
+                     ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
+        """mx128 mode: the K loop of one tile, ``nstages`` stages of 128 (one scale row each).
+
+        Two stages per iteration into two partials: stage 2i's wgmmas, then stage 2i+1's; stage 2i is
+        retired with wait(1) and promoted while 2i+1 runs in the tensor core, then 2i+1 is retired with
+        wait(0) and promoted (the other consumer warpgroup's wgmmas cover that promotion). Nothing is
+        in flight at the loop back-edge (that makes ptxas serialize every wgmma, C7514). Promotion per
+        stage: ``acc += P * (sa[m] * sb)``: WB32 (M-grouped, 128x128 weight tiles) the weight scale is
+        uniform over the tile (read as its 4 equal per-32-column values): 8 FMUL per thread, then one
+        FFMA per element; else (K-grouped) ``sb[n]`` per column: FMUL + FFMA per element. A stage's
+        smem slot goes back to the producer as soon as its wgmmas are retired and its scales read."""
+        for _ in range(nstages // 2):
+            i0 = it % STAGES
+            i1 = (it + 1) % STAGES
+            mbarrier.wait(ready.index(i0), (it // STAGES) & 1)
+            p_a = _stage_mma(a_bufs.index(i0), b_bufs.index(i0), ROW0, BMW, p_a)
+            mbarrier.wait(ready.index(i1), ((it + 1) // STAGES) & 1)
+            p_b = _stage_mma(a_bufs.index(i1), b_bufs.index(i1), ROW0, BMW, p_b)
+            if WB32:  # few scales: read before the wait, latency under the tensor core
+                sa, sb = _load_scales(sa_rows, sb_rows, i0, ROW0, BMW, BN, WB32, mma_layout, l3)
+            p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
+            if not WB32:
+                sa, sb = _load_scales(sa_rows, sb_rows, i0, ROW0, BMW, BN, WB32, mma_layout, l3)
+            _release(empty, i0)
+            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
+            if WB32:
+                sa, sb = _load_scales(sa_rows, sb_rows, i1, ROW0, BMW, BN, WB32, mma_layout, l3)
+            p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
+            if not WB32:
+                sa, sb = _load_scales(sa_rows, sb_rows, i1, ROW0, BMW, BN, WB32, mma_layout, l3)
+            _release(empty, i1)
+            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, 0)
+            it += 2
+        if nstages % 2 == 1:
+            i0 = it % STAGES
+            mbarrier.wait(ready.index(i0), (it // STAGES) & 1)
+            p_a = _stage_mma(a_bufs.index(i0), b_bufs.index(i0), ROW0, BMW, p_a)
+            sa, sb = _load_scales(sa_rows, sb_rows, i0, ROW0, BMW, BN, WB32, mma_layout, l3)
+            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+            _release(empty, i0)
+            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
+            it += 1
+        return acc, p_a, p_b, it
+
+    @gluon.jit
     def _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0: gl.constexpr, BMW: gl.constexpr,
                       BN: gl.constexpr, mma_layout: gl.constexpr):
         """Masked stores from registers: rows that end past their group's last row, or every tile when
@@ -266,7 +338,7 @@ if HAS_GLUON:
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                   ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr,
-                  TMA_STORE: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SG: gl.constexpr):
         """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
         MX step, promotion of the previous step while the next one runs, then the tile's store."""
         KB: gl.constexpr = BK // 32
@@ -279,8 +351,8 @@ if HAS_GLUON:
         # The scale boxes land unswizzled (row-major); view them with a plain layout so one MX
         # step's row of scales can be indexed.
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        sa_rows = sa_bufs._reinterpret(sa_bufs.dtype, [STAGES * KB, sa_bufs.shape[2]], plain)
-        sb_rows = sb_bufs._reinterpret(sb_bufs.dtype, [STAGES * KB, sb_bufs.shape[2]], plain)
+        sa_rows = sa_bufs._reinterpret(sa_bufs.dtype, [STAGES * sa_bufs.shape[1], sa_bufs.shape[2]], plain)
+        sb_rows = sb_bufs._reinterpret(sb_bufs.dtype, [STAGES * sb_bufs.shape[1], sb_bufs.shape[2]], plain)
         total = _num_tiles(tile_end_ptr, E, MT_K, NT, K_GROUPED)
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
@@ -291,65 +363,69 @@ if HAS_GLUON:
                 acc = gl.zeros([BMW, BN // 32, 32], gl.float32, l3)
             else:
                 acc = gl.zeros([BMW, BN], gl.float32, mma_layout)
-            for s in range(gl.cdiv(nsteps, KB)):
-                idx = it % STAGES
-                phase = (it // STAGES) & 1
-                mbarrier.wait(ready.index(idx), phase)
-                a_buf = a_bufs.index(idx)
-                b_buf = b_bufs.index(idx)
-                r0 = idx * KB
-                if (ABLATE >= 3) & (nsteps - s * KB >= KB):
-                    # Ablations 3-5: the bare MMA pipeline (one partial chained through the whole
-                    # tile, a wait per stage only); 5 leaves out the wgmmas.
-                    if ABLATE != 5:
-                        for j in gl.static_range(KB):
-                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, (s > 0) | (j > 0))
-                        p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-                elif nsteps - s * KB >= KB:
-                    # Full stage. Step j's wgmma runs while step j-1 is promoted. With 32x32 weights the
-                    # few scales of step j-1 are read before the wait (latency hidden behind the tensor
-                    # core); with 1x32 the 32 column scales per thread would not fit in registers.
-                    chain = (ABLATE == 2) & (s > 0)  # ablation 2: partials accumulate in the tensor core
-                    p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a, chain)
-                    for j in gl.static_range(1, KB):
-                        if EARLY_SCALES:
-                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                        if j % 2 == 1:
-                            p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b, chain | ((ABLATE == 2) & (j > 1)))
-                            p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
-                            if not EARLY_SCALES:
-                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
-                                                      l3)
-                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
-                        else:
-                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, ABLATE == 2)
-                            p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
-                            if not EARLY_SCALES:
-                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
-                                                      l3)
-                            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
-                    # The last step retires with wait(0): no wgmma stays in flight across the loop
-                    # back-edge (that makes ptxas serialize every wgmma, warning C7514).
-                    if KB % 2 == 0:
-                        p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
-                        sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                        acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
-                    else:
-                        p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-                        sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                        acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
-                else:
-                    # Tail stage of a contraction range that is not a multiple of BK: synchronous steps.
-                    for j in gl.static_range(KB):
-                        if j < nsteps - s * KB:
-                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3)
-                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
+            if SG > 1:  # mx128 mode: one promotion per 128-deep stage
+                acc, p_a, p_b, it = _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it,
+                                                 nsteps // KB, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
+            else:
+                for s in range(gl.cdiv(nsteps, KB)):
+                    idx = it % STAGES
+                    phase = (it // STAGES) & 1
+                    mbarrier.wait(ready.index(idx), phase)
+                    a_buf = a_bufs.index(idx)
+                    b_buf = b_bufs.index(idx)
+                    r0 = idx * KB
+                    if (ABLATE >= 3) & (nsteps - s * KB >= KB):
+                        # Ablations 3-5: the bare MMA pipeline (one partial chained through the whole
+                        # tile, a wait per stage only); 5 leaves out the wgmmas.
+                        if ABLATE != 5:
+                            for j in gl.static_range(KB):
+                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, (s > 0) | (j > 0))
                             p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                    elif nsteps - s * KB >= KB:
+                        # Full stage. Step j's wgmma runs while step j-1 is promoted. With 32x32 weights the
+                        # few scales of step j-1 are read before the wait (latency hidden behind the tensor
+                        # core); with 1x32 the 32 column scales per thread would not fit in registers.
+                        chain = (ABLATE == 2) & (s > 0)  # ablation 2: partials accumulate in the tensor core
+                        p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a, chain)
+                        for j in gl.static_range(1, KB):
+                            if EARLY_SCALES:
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                            if j % 2 == 1:
+                                p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b, chain | ((ABLATE == 2) & (j > 1)))
+                                p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
+                                if not EARLY_SCALES:
+                                    sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
+                                                          l3)
+                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                            else:
+                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, ABLATE == 2)
+                                p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
+                                if not EARLY_SCALES:
+                                    sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
+                                                          l3)
+                                acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
+                        # The last step retires with wait(0): no wgmma stays in flight across the loop
+                        # back-edge (that makes ptxas serialize every wgmma, warning C7514).
+                        if KB % 2 == 0:
+                            p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
+                        else:
+                            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
                             acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
-                # Generic-proxy reads of this stage (scales) must be ordered before the next TMA write.
-                fence_async_shared()
-                mbarrier.arrive(empty.index(idx), count=1)
-                it += 1
+                    else:
+                        # Tail stage of a contraction range that is not a multiple of BK: synchronous steps.
+                        for j in gl.static_range(KB):
+                            if j < nsteps - s * KB:
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3)
+                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
+                                p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                    # Generic-proxy reads of this stage (scales) must be ordered before the next TMA write.
+                    fence_async_shared()
+                    mbarrier.arrive(empty.index(idx), count=1)
+                    it += 1
             # Epilogue: the rows that belong to this tile's group (TMA store or masked stores).
             if ABLATE >= 3:
                 if WB32:
@@ -387,7 +463,7 @@ if HAS_GLUON:
             E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
             K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
             SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, ABLATE: gl.constexpr, TMA_STORE: gl.constexpr,
-            num_warps: gl.constexpr):
+            num_warps: gl.constexpr, SG: gl.constexpr = 1):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -419,22 +495,22 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG)),
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE)),
+                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
-                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
+                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE, SG)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
-                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS)),
+                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
             ], [1], [24])
 
 
@@ -763,4 +839,184 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         SEARCH_STEPS=0, SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, TMA_STORE=c_desc is not None,
         num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# mx128 mode: 1x128 activations / gradients, 128x128 weight tiles (DESIGN §9, recipe mxfp8_128)
+# ----------------------------------------------------------------------------------------------
+
+GROUP = 128  # scale group along the contraction dim in the mx128 mode
+_SG = GROUP // MX_BLOCK  # 32-blocks per scale group
+
+
+def sm90_mx128_scale_layouts(a_scale: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor | None = None):
+    """Per-32 E8M0 scales of mx128 operands -> the compact FP32 layouts the mx128 kernel reads.
+
+    Each 128-group's scale is read from its first 32-block (the others replicate it; not checked),
+    so the work is a strided gather of 1/128 (activations) or 1/16384 (weights) of the scale bytes, on
+    the device, with no host sync.
+
+    M-grouped (``offs`` given): ``a_scale`` ``[M, K/32]`` (1x128 rows), ``b_scale`` ``[E, N, K/32]``
+    (128x128 tiles) -> ``(sa [K/128, W], starts [E] int32, sb [E*K/128, ceil(N/32) padded to 4])``:
+    ``sa`` as :func:`sm90_grouped_scale_layout` (each group's rows start at a multiple of 4 columns),
+    ``sb[e*K/128 + k, c]`` the scale of weight rows ``32c..32c+31`` (one value per 32 output columns,
+    equal in fours inside a 128x128 tile: the kernel's TMA box must start 16-byte aligned).
+
+    K-grouped (``offs`` None): ``a_scale`` ``[N, T/32]``, ``b_scale`` ``[K, T/32]`` (128x1 along
+    tokens) -> ``(sa [ceil(T/128), N_pad], None, sb [ceil(T/128), K_pad])`` as :func:`sm90_scale_layout`.
+    """
+    if offs is None:
+        return sm90_scale_layout(a_scale[:, ::_SG]), None, sm90_scale_layout(b_scale[:, ::_SG])
+    sa, starts = sm90_grouped_scale_layout(a_scale[:, ::_SG], offs)
+    E, _, kb = b_scale.shape
+    sb = sm90_scale_layout(b_scale[:, ::MX_BLOCK, ::_SG]).reshape(E * (kb // _SG), -1)
+    return sa, starts, sb
+
+
+def _check_group_dim(name: str, n: int) -> None:
+    if n % GROUP != 0:
+        raise ValueError(f"{name} = {n} is not a multiple of {GROUP} (the mx128 scale group)")
+
+
+def _check_out(out, shape, out_dtype, device):
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if out is None:
+        return torch.empty(*shape, dtype=out_dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {list(shape)} {out_dtype} tensor")
+    return out
+
+
+def sm90_mx128_m_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor,
+                              b_scale: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                              out: torch.Tensor | None = None, config: Sm90TileConfig | None = None) -> torch.Tensor:
+    """M-grouped mx128 GEMM, "NT" (fprop, dgrad): ``C[m, :] = deq(a)[m, :] @ deq(b)[e(m)]^T``.
+
+    The operands are ordinary MXFP8 tensors (:class:`mxmoe.formats.MXTensor` data and per-32 scales)
+    whose scales are shared in coarser groups: ``a`` quantized with ``block=(1, 128)`` along K (one
+    scale per 128 consecutive elements of a row), ``b`` with ``block=(128, 128)`` (one scale per
+    128x128 tile of each ``[N, K]`` weight). Per 128-deep stage the kernel issues the stage's four
+    wgmmas into one FP32 partial and promotes it once, ``acc += P * (sa[m] * sb)``.
+
+    Args:
+        a_data: ``[M, K]`` ``float8_e4m3fn``, K contiguous; rows grouped by expert; K a multiple of 128.
+        a_scale: ``[M, K/32]`` ``float8_e8m0fnu``, row-major, equal in each group of 4 (only the first
+            of each 4 is read).
+        b_data: ``[E, N, K]`` ``float8_e4m3fn``, K contiguous. For dgrad pass the weight's other
+            orientation (``[E, K, N]`` contiguous: the same 128x128 tiles, transposed).
+        b_scale: ``[E, N, K/32]`` ``float8_e8m0fnu``, row-major, uniform on each 128x128 tile (only the
+            first row and column of each tile's scales are read).
+        offs: ``[E]`` int32 cumulative END offsets of the row groups (non-decreasing, ``offs[-1] <= M``);
+            any group sizes, empty groups allowed.
+        out_dtype: ``torch.bfloat16`` (default) or ``torch.float32``.
+        out: optional preallocated contiguous ``[M, N]`` output (rows past ``offs[-1]`` untouched).
+        config: tile configuration (default :func:`~mxmoe.kernels.sm90_tile_config.sm90_mx128_tile_config`);
+            needs ``block_k == block_n == 128``.
+    Returns:
+        ``[M, N]`` of ``out_dtype``; rows past ``offs[-1]`` unspecified.
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or layout, K not a multiple of 128, bad ``offs``,
+        ``out`` or ``config``. RuntimeError: not a Hopper GPU, or Triton/Gluon missing.
+    """
+    _check_operand("a_data", a_data, 2)
+    _check_operand("b_data", b_data, 3)
+    _check_scale("a_scale", a_scale, a_data)
+    _check_scale("b_scale", b_scale, b_data)
+    M, K = a_data.shape
+    E, N, Kb = b_data.shape
+    if Kb != K:
+        raise ValueError(f"a_data has K={K} but b_data has K={Kb}")
+    _check_group_dim("K", K)
+    cfg = config or sm90_mx128_tile_config(M, N, K, E)
+    check_tile_config(cfg, scale_group=GROUP)
+    _check_sm90(a_data)
+    if b_data.device != a_data.device:
+        raise ValueError("a_data and b_data must be on the same device")
+    offs = _check_offs(offs, E, a_data.device)
+    out = _check_out(out, (M, N), out_dtype, a_data.device)
+    if M == 0 or N == 0 or E == 0:
+        return out
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    sa, sa_starts, sb = sm90_mx128_scale_layouts(a_scale, b_scale, offs)
+    nt = triton.cdiv(N, BN)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    tile_end = torch.cumsum((counts + BM - 1) // BM * nt, 0, dtype=torch.int32)
+    sched = torch.stack([tile_end, sa_starts])
+    grid = (min(_num_sms(a_data.device), (triton.cdiv(M, BM) + E) * nt), )
+    sb_block = [BK // GROUP, 32]  # 128 bytes: every stage's box starts 128-byte aligned in smem
+    c_desc = _out_desc(out, cfg, sb_block[1])
+    sm90_mxfp8_grouped_gemm_kernel[grid](
+        _desc(a_data, [BM, BK]), _desc(b_data.view(E * N, K), [BN, BK]), _desc(sa, [BK // GROUP, BM]),
+        _desc(sb, sb_block), c_desc, out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
+        K_GROUPED=False, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=_search_steps(E),
+        SPLIT_WG=cfg.split_wg, ABLATE=0, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
+        maxnreg=cfg.maxnreg, SG=_SG)
+    return out
+
+
+def sm90_mx128_k_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor,
+                              b_scale: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+                              check_offsets: bool = True, out: torch.Tensor | None = None,
+                              config: Sm90TileConfig | None = None) -> torch.Tensor:
+    """K-grouped mx128 GEMM (wgrad): ``out[e] = deq(a)[:, group e] @ deq(b)[:, group e]^T``.
+
+    Both operands are MXFP8 quantized along tokens in groups of 128 (``block=(1, 128)`` on the
+    ``[., T]`` layout: 128x1 scale groups of ``dy`` and ``x``); the kernel promotes once per 128
+    tokens, ``acc += P * (sa[n] * sb[k])``.
+
+    Args:
+        a_data: ``[N, T]`` ``float8_e4m3fn`` (e.g. dy^T), T (tokens) contiguous.
+        a_scale: ``[N, T/32]`` ``float8_e8m0fnu``, row-major, equal in each group of 4 (first read).
+        b_data: ``[K, T]`` ``float8_e4m3fn`` (e.g. x^T), T contiguous.
+        b_scale: ``[K, T/32]`` ``float8_e8m0fnu``, likewise.
+        offs: ``[E]`` int32 cumulative END offsets along T; every one a multiple of 128 (the layer pads
+            each expert's tokens to 128, so no scale group spans two experts), non-decreasing,
+            ``offs[-1] <= T``.
+        out_dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
+        check_offsets: verify ``offs % 128 == 0`` (one device-to-host sync; pass False under
+            CUDA graphs / torch.compile when the caller guarantees it).
+        out: optional preallocated contiguous ``[E, N, K]`` output.
+        config: tile configuration (default :func:`~mxmoe.kernels.sm90_tile_config.sm90_mx128_tile_config`).
+    Returns:
+        ``[E, N, K]`` of ``out_dtype``; zeros for an expert with no tokens.
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or layout, T not a multiple of 32, offsets not
+        multiples of 128, bad ``out`` or ``config``. RuntimeError: not a Hopper GPU, or Triton/Gluon missing.
+    """
+    _check_operand("a_data", a_data, 2)
+    _check_operand("b_data", b_data, 2)
+    _check_scale("a_scale", a_scale, a_data)
+    _check_scale("b_scale", b_scale, b_data)
+    N, T = a_data.shape
+    K, Tb = b_data.shape
+    if Tb != T:
+        raise ValueError(f"a_data has T={T} but b_data has T={Tb}")
+    if offs.dim() != 1 or offs.shape[0] == 0:
+        raise ValueError(f"offs must be 1-D with at least one group, got shape {tuple(offs.shape)}")
+    E = offs.shape[0]
+    cfg = config or sm90_mx128_tile_config(N, K, T, E, k_grouped=True)
+    check_tile_config(cfg, scale_group=GROUP)
+    _check_sm90(a_data)
+    offs = _check_offs(offs, E, a_data.device)
+    if check_offsets and bool((offs % GROUP != 0).any()):
+        raise ValueError(f"every K-grouped mx128 offset must be a multiple of {GROUP} (pad each group to "
+                         f"{GROUP} tokens)")
+    out = _check_out(out, (E, N, K), out_dtype, a_data.device)
+    if N == 0 or K == 0:
+        return out
+    if T == 0:
+        return out.zero_()
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    sa, _, sb = sm90_mx128_scale_layouts(a_scale, b_scale)
+    mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
+    grid = (min(_num_sms(a_data.device), E * mt * nt), )
+    c_desc = _out_desc(out.view(E * N, K), cfg, BN)
+    sm90_mxfp8_grouped_gemm_kernel[grid](
+        _desc(a_data, [BM, BK]), _desc(b_data, [BN, BK]), _desc(sa, [BK // GROUP, BM]), _desc(sb, [BK // GROUP, BN]),
+        c_desc, out, offs, offs, E, 0, 0, mt, nt, N, K,
+        K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=0,
+        SPLIT_WG=cfg.split_wg, ABLATE=0, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
+        maxnreg=cfg.maxnreg, SG=_SG)
     return out

@@ -68,7 +68,15 @@ def smem_bytes(cfg: Sm90TileConfig, sb_cols: int, out_elt: int = 0) -> int:
     return ring + cfg.block_m * cfg.block_n * out_elt
 
 
-def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1) -> None:
+def sm90_mx128_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = False) -> Sm90TileConfig:
+    """Tile configuration of the mx128 mode (1x128 activations, 128x128 weight tiles; wgrad 128x1 both):
+    128 x 128 tiles aligned to the weight tiles, 128-deep stages (one promotion each), 4 of them, TMA
+    stores. With FP32 output the ring + staging buffer is 4 x 33 KB + 64 KB (198 KB), BF16 166 KB."""
+    del m, n, k, num_groups, k_grouped
+    return Sm90TileConfig()
+
+
+def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1, scale_group: int = 32) -> None:
     """Refuse a hand-made tile configuration that breaks the ``block_k`` rules below (one such config
     crashed on the GPU). Other fields are not checked here: shared memory beyond 227 KB fails at launch
     in Triton, and ``_out_desc`` drops the TMA-store epilogue where its buffer would not fit.
@@ -78,9 +86,15 @@ def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1) -> None:
             not a multiple of 128: the weight-scale box of one stage is ``block_k / 32`` rows of 8 FP32
             values (``block_k`` bytes) and each stage's box must start 128-byte aligned in shared
             memory (``block_k`` 64 died with a misaligned-address fault on the H200, session 10).
+            With ``scale_group=128`` (the mx128 mode): ``block_k`` other than 128, or ``block_n``
+            other than 128 (a tile must lie in one 128x128 weight tile; the K loop promotes once per
+            stage).
     """
     if cfg.block_k <= 0 or cfg.block_k % 32 != 0:
         raise ValueError(f"block_k must be a positive multiple of 32, got {cfg.block_k}")
     if weight_block == 32 and cfg.block_k % 128 != 0:
         raise ValueError(f"with 32x32 weights block_k must be a multiple of 128 (128-byte aligned scale boxes "
                          f"per stage), got {cfg.block_k}")
+    if scale_group == 128 and (cfg.block_k != 128 or cfg.block_n != 128):
+        raise ValueError(f"the mx128 mode needs block_k == block_n == 128 (one promotion per 128-deep stage, "
+                         f"tiles inside one 128x128 weight tile), got block_k={cfg.block_k}, block_n={cfg.block_n}")
