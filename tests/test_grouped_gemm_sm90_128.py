@@ -27,9 +27,10 @@ def _rand(*shape, device, gen=None):
     """Random data whose 128-groups along the last dim span 2^-6..2^6 (every scale matters), and whose
     32-blocks inside a group differ by up to 2^2 (the group's scale is not any one block's)."""
     x = torch.randn(*shape, device=device, generator=gen)
-    e = torch.randint(-6, 7, (*shape[:-1], shape[-1] // 128), device=device, generator=gen)
-    f = torch.randint(-2, 1, (*shape[:-1], shape[-1] // 32), device=device, generator=gen)
-    return x * torch.exp2(e.float().repeat_interleave(4, -1) + f.float()).repeat_interleave(32, dim=-1)
+    n = shape[-1] // 32  # the last dim is a multiple of 32, not always of 128 (tokens past offs[-1])
+    e = torch.randint(-6, 7, (*shape[:-1], -(-n // 4)), device=device, generator=gen)
+    f = torch.randint(-2, 1, (*shape[:-1], n), device=device, generator=gen)
+    return x * torch.exp2(e.float().repeat_interleave(4, -1)[..., :n] + f.float()).repeat_interleave(32, dim=-1)
 
 
 def _offs(counts, device):
@@ -199,6 +200,8 @@ M_CASES = [
 @pytest.mark.parametrize("case", M_CASES)
 def test_m_grouped_matches_fp64(case, dgrad):
     counts, N, K, extra = case
+    if dgrad and N % 128:
+        pytest.skip("dgrad contracts over N: N must be a multiple of 128 (fprop covers the partial tile)")
     a, b, offs, ref, rows = _m_case(counts, N, K, extra, dgrad=dgrad)
     for dtype, tol in ((torch.float32, TOL_FP32_OUT), (torch.bfloat16, TOL_BF16_OUT)):
         out = _run_m(a, b, offs, dtype)
@@ -237,7 +240,7 @@ def test_m_grouped_nan_scale_propagates():
 K_CASES = [
     # (token counts per expert, all multiples of 128; N, K; extra tokens past offs[-1])
     ([256, 512, 128, 384], 256, 384, 0),
-    ([0, 384, 0, 1280, 0], 128, 256, 64),  # empty first / middle / last; odd stage counts (3, 5 x 128)
+    ([0, 384, 0, 1280, 0], 128, 256, 128),  # empty first / middle / last; odd stage counts (3, 5 x 128)
     ([1152], 200, 160, 0),  # a single group; N, K ending in partial tiles (register-store rows)
     ([128, 0, 256, 0, 0, 128, 384, 0] * 5, 128, 128, 0),  # 40 experts, skewed
 ]
