@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxmoe.backend import Backend, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
 from mxmoe.recipes import Recipe, get_recipe
@@ -38,6 +39,7 @@ class Routing:
     offs: torch.Tensor  # [E] int32 cumulative end rows of the padded expert groups
     rows: int  # M, static padded buffer size
     counts: torch.Tensor  # [E] int64 routed tokens per expert (unpadded)
+    backend: Backend  # the kernels of this forward (and its backward), resolved once from x's device
 
 
 def padded_rows(num_slots: int, num_experts: int, align: int) -> int:
@@ -163,7 +165,7 @@ class MoE(nn.Module):
         frac_routed = counts.to(torch.float32) / max(experts.numel(), 1)  # f_e
         mean_prob = probs.sum(dim=0) / max(probs.shape[0], 1)  # P_e; zero (not NaN) with no tokens
         self.aux_loss = self.aux_loss_coef * self.num_experts * (frac_routed * mean_prob).sum()
-        return Routing(weights, experts, slot_rows, offs, rows, counts)
+        return Routing(weights, experts, slot_rows, offs, rows, counts, resolve(x.device))
 
     def permute(self, x2: torch.Tensor, r: Routing):
         """Tokens ``x2 [T, D]`` -> the expert-ordered buffer ``xp [M, D]`` (groups padded to
@@ -173,24 +175,28 @@ class MoE(nn.Module):
         quantization of :func:`~mxmoe.ops.permute_tokens`), its FP8 copy along rows (axis 0,
         wgrad's operand). ``state`` is what :meth:`unpermute` needs. Expert-parallel subclasses
         exchange tokens here."""
-        xp, xp_wgrad = permute_tokens(x2, r.slot_rows, r.rows, self.top_k, self.recipe, self.w13)
+        xp, xp_wgrad = permute_tokens(x2, r.slot_rows, r.rows, self.top_k, self.recipe, self.w13, backend=r.backend)
         return xp, r.offs, xp_wgrad, r
 
     def unpermute(self, yp: torch.Tensor, state, r: Routing) -> torch.Tensor:
         """Expert outputs ``yp [M, D]`` -> tokens ``[T, D]``: each token's top_k outputs weighted by
         ``r.weights`` (:func:`~mxmoe.ops.combine`: on CUDA one kernel, and one for its backward).
         ``state`` is what :meth:`permute` returned."""
-        return combine(yp, state.slot_rows, r.weights, validate=False)
+        return combine(yp, state.slot_rows, r.weights, validate=False, backend=r.backend)
 
-    def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None) -> torch.Tensor:
+    def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None,
+                        backend: Backend | None = None) -> torch.Tensor:
         """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same
         rows already in MXFP8 (:meth:`permute`'s contract; no second quantization): along D, fprop
-        uses it; along rows, xp is its BF16 MX values and wgrad uses it."""
+        uses it; along rows, xp is its BF16 MX values and wgrad uses it. ``backend``: the kernels
+        (:func:`mxmoe.backend.resolve` of xp's device by default)."""
+        be = backend or resolve(xp.device)
         x_wgrad = x_mx if x_mx is not None and x_mx.axis == 0 else None
         x_mx = None if x_wgrad is not None else x_mx
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad)  # [M, 2F]
-        a, a_wgrad = swiglu(h, self.recipe, self.w2)  # on CUDA's expansion route: fused with a's quantization
-        return grouped_linear(a, self.w2, offs, self.recipe, validate=False, x_wgrad=a_wgrad)  # [M, D]
+        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad,
+                           backend=be)  # [M, 2F]
+        a, a_wgrad = swiglu(h, self.recipe, self.w2, backend=be)  # expansion route: fused with a's quantization
+        return grouped_linear(a, self.w2, offs, self.recipe, validate=False, x_wgrad=a_wgrad, backend=be)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype.
@@ -209,7 +215,7 @@ class MoE(nn.Module):
         if torch.is_autocast_enabled(x.device.type) and x2.dtype == torch.float32:
             x2 = x2.to(torch.get_autocast_dtype(x.device.type))  # BF16 activations: the fused kernels apply
         xp, offs, x_mx, state = self.permute(x2, r)  # [M, D]
-        yp = self.experts_forward(xp, offs, x_mx)  # [M, D]
+        yp = self.experts_forward(xp, offs, x_mx, r.backend)  # [M, D]
         y = self.unpermute(yp, state, r)  # [T, D]
         return y.view(shape).to(x.dtype)
 

@@ -11,12 +11,11 @@ summation order for products).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from mxmoe import formats
+from mxmoe.backend import Backend, resolve
 from mxmoe.formats import BLOCK, MXTensor
 from mxmoe.recipes import Recipe, get_recipe
 
@@ -26,7 +25,8 @@ Operand = "torch.Tensor | MXTensor"
 # --------------------------------------------------------------------------------------------
 # Quantization
 # --------------------------------------------------------------------------------------------
-def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=BLOCK) -> MXTensor:
+def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=BLOCK, *,
+             backend: Backend | None = None) -> MXTensor:
     """Quantize ``x`` to MXFP8 along ``axis``; same contract as :func:`mxmoe.formats.quantize`.
 
     On CUDA the Triton kernels of :mod:`mxmoe.kernels.quantize` are used where they cover the
@@ -38,6 +38,7 @@ def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=B
         scale_rule: ``"rceil"`` (default) or ``"floor"``.
         block: the scale group, one of :data:`mxmoe.formats.BLOCKS`: ``32`` (1x32), ``128`` (1x128),
             ``(32, 32)`` or ``(128, 128)`` (one scale per square tile of the last two dims).
+        backend: the kernels to use (:func:`mxmoe.backend.resolve` of ``x.device`` by default).
     Returns:
         :class:`~mxmoe.formats.MXTensor` (E4M3 data, row-major E8M0 scales).
     Raises:
@@ -46,7 +47,7 @@ def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=B
     if isinstance(x, torch.Tensor) and x.is_cuda:
         from mxmoe.kernels import dispatch
 
-        out = dispatch.quantize_cuda(x, axis, scale_rule, block)
+        out = dispatch.quantize_cuda(x, axis, scale_rule, block, backend or resolve(x.device))
         if out is not None:
             return out
     return formats.quantize(x, axis, scale_rule, block)
@@ -129,7 +130,7 @@ def _check_grouped_operands(a, b, offs) -> None:
 
 
 def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtype | None = None,
-               _validate: bool = True) -> torch.Tensor:
+               _validate: bool = True, *, backend: Backend | None = None) -> torch.Tensor:
     """Grouped matrix product with the contract of ``torch._grouped_mm``.
 
     Forms:
@@ -146,6 +147,7 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
 
     Args:
         out_dtype: result dtype; default ``a.dtype`` for plain tensors, ``bfloat16`` for MX.
+        backend: the route of MX products (:func:`mxmoe.backend.resolve` of the device by default).
     Raises:
         TypeError: mixed operand kinds, non-float dtypes, mismatched dtypes, offs not int32.
         TypeError: also a non-float ``out_dtype``.
@@ -162,7 +164,8 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
         if a.device.type == "cuda":
             from mxmoe.kernels import dispatch
 
-            out = dispatch.mx_grouped_mm_cuda(a, b, offs, out_dtype, trusted=not _validate)
+            out = dispatch.mx_grouped_mm_cuda(a, b, offs, out_dtype, backend or resolve(a.device),
+                                              trusted=not _validate)
             if out is not None:
                 return out
         acc = torch.float64 if out_dtype == torch.float64 else torch.float32
@@ -201,37 +204,38 @@ def weight_block(recipe: Recipe) -> tuple[int, int]:
     return (recipe.weight_block, recipe.weight_block) if recipe.weight_block > 1 else (1, BLOCK)
 
 
-def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int) -> MXTensor:
+def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int, be: Backend | None = None) -> MXTensor:
     """Expert weights ``[E, N, K]`` quantized along ``axis`` (-1: K for fprop, -2: N for dgrad)."""
-    return quantize(w, axis=axis, scale_rule=recipe.scale_rule, block=weight_block(recipe))
+    return quantize(w, axis, recipe.scale_rule, weight_block(recipe), backend=be)
 
 
-def quantize_dual(x: torch.Tensor, scale_rule: str = "rceil", group: int = BLOCK) -> tuple[MXTensor, MXTensor]:
+def quantize_dual(x: torch.Tensor, scale_rule: str = "rceil", group: int = BLOCK,
+                  be: Backend | None = None) -> tuple[MXTensor, MXTensor]:
     """``x [M, K]`` quantized along K and along M in 1 x ``group`` blocks (``M % group == 0``): one read
     on CUDA."""
     if x.is_cuda:
         from mxmoe.kernels import dispatch
 
-        out = dispatch.quantize_dual_cuda(x, scale_rule, group)
+        out = dispatch.quantize_dual_cuda(x, scale_rule, group, be or resolve(x.device))
         if out is not None:
             return out
-    return quantize(x, -1, scale_rule, group), quantize(x, 0, scale_rule, group)
+    return quantize(x, -1, scale_rule, group, backend=be), quantize(x, 0, scale_rule, group, backend=be)
 
 
-def quantize_weight_both(w: torch.Tensor, recipe: Recipe) -> tuple[MXTensor, MXTensor]:
+def quantize_weight_both(w: torch.Tensor, recipe: Recipe, be: Backend | None = None) -> tuple[MXTensor, MXTensor]:
     """Square-tile weights ``[E, N, K]`` (32x32 or 128x128) along K (fprop) and along N (dgrad): one
     quantization."""
     if w.is_cuda:
         from mxmoe.kernels import dispatch
 
-        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule, recipe.weight_block)
+        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule, recipe.weight_block, be or resolve(w.device))
         if out is not None:
             return out
-    wq = quantize_weight(w, recipe, axis=-1)
+    wq = quantize_weight(w, recipe, -1, be)
     return wq, wq.requantize_free_swap()
 
 
-def _expansion(x: torch.Tensor, w: torch.Tensor, recipe: Recipe):
+def _expansion(x: torch.Tensor, w: torch.Tensor, recipe: Recipe, be: Backend):
     """The dispatch module where the layer's products take the Hopper expansion route, else None.
 
     On that route every MX operand is multiplied as its BF16 value (exact), so the quantize-
@@ -243,18 +247,18 @@ def _expansion(x: torch.Tensor, w: torch.Tensor, recipe: Recipe):
         return None
     from mxmoe.kernels import dispatch
 
-    return dispatch if dispatch.expansion_route(recipe, x, w) else None
+    return dispatch if dispatch.expansion_route(recipe, x, w, be) else None
 
 
-def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Backend) -> torch.Tensor:
     """MX grouped product of two MXTensors (any route), or on the expansion route of operands of
     which at least one is already its BF16 value: the other is expanded, and the product is
     computed exactly as :func:`mxmoe.kernels.dispatch.mx_grouped_mm_cuda` does on that route."""
     if _is_mx(a) and _is_mx(b):
-        return grouped_mm(a, b, offs, out_dtype=out_dtype, _validate=False)
+        return grouped_mm(a, b, offs, out_dtype=out_dtype, _validate=False, backend=be)
     from mxmoe.kernels import dispatch
 
-    return dispatch.bf16_grouped_mm(a, b, offs, out_dtype)
+    return dispatch.bf16_grouped_mm(a, b, offs, out_dtype, be)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -316,7 +320,7 @@ def _unpack(tensors: tuple, meta: tuple | None):
     return MXTensor(*tensors, *meta) if meta else tensors[0]
 
 
-def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool):
+def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool, be: Backend):
     """dgrad's weight operand ``[E, N, K]`` quantized along N, from the parameter: its BF16 values on
     the Hopper expansion route (1x32: a transposed view; 32x32: the tile values, row-major), else an
     MXTensor."""
@@ -326,7 +330,7 @@ def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool):
         if recipe.weight_block == BLOCK:  # 32x32 tiles: the values along K are those along N
             return dispatch.qdq_rowwise(w.detach(), recipe.scale_rule, True)
         return dispatch.qdq_columnwise(w.detach(), recipe.scale_rule).mT
-    return quantize_weight(w, recipe, axis=-2)
+    return quantize_weight(w, recipe, -2, be)
 
 
 class _MXGroupedLinear(torch.autograd.Function):
@@ -339,19 +343,19 @@ class _MXGroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None):
+    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend):
         rule, g = recipe.scale_rule, recipe.act_block
-        exp = _expansion(x, w, recipe)
+        exp = _expansion(x, w, recipe, be)
         x_saved = None
         if x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
-            xq = x.detach() if exp else quantize(x, -1, rule, g)  # requantizing MX values: lossless
+            xq = x.detach() if exp else quantize(x, -1, rule, g, backend=be)  # requantizing MX values: lossless
             x_saved = x_wgrad
         elif x_mx is not None:
             xq = x_mx
         elif recipe.wgrad_mxfp8 and x.shape[0] % g == 0:  # fprop (along K) + wgrad (along tokens) operands
-            xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule, g)
+            xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule, g, be)
         else:
-            xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, -1, rule, g)
+            xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, -1, rule, g, backend=be)
         tile32 = recipe.weight_block == BLOCK
         if exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
             wq, w_dgrad = exp.qdq_rowwise(w.detach(), rule, tile32), None
@@ -363,15 +367,15 @@ class _MXGroupedLinear(torch.autograd.Function):
             # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
             wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
         elif recipe.weight_block > 1 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
-            wq, w_dgrad = quantize_weight_both(w, recipe)
+            wq, w_dgrad = quantize_weight_both(w, recipe, be)
         else:
-            wq, w_dgrad = quantize_weight(w, recipe, axis=-1), None  # [E, N, K] along K
-        y = _product(xq, wq.mT, offs, x.dtype)
+            wq, w_dgrad = quantize_weight(w, recipe, -1, be), None  # [E, N, K] along K
+        y = _product(xq, wq.mT, offs, x.dtype, be)
         # backward operands, quantized now so FP8 (not BF16) is what is kept
         if x_saved is None:
-            x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g) if recipe.wgrad_mxfp8
+            x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g, backend=be) if recipe.wgrad_mxfp8
                        else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
-        ctx.recipe, ctx.expansion = recipe, exp is not None
+        ctx.recipe, ctx.expansion, ctx.be = recipe, exp is not None, be
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
         # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
         xs, ctx.x_meta = _pack(x_saved)
@@ -383,7 +387,7 @@ class _MXGroupedLinear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        recipe, rule, g = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block
+        recipe, rule, g, be = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block, ctx.be
         offs, w, *rest = ctx.saved_tensors
         x_saved, w_dgrad = _unpack(rest[:ctx.n_x], ctx.x_meta), _unpack(rest[ctx.n_x:], ctx.w_meta)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -397,33 +401,33 @@ class _MXGroupedLinear(torch.autograd.Function):
             elif need_dx:
                 dyq = dispatch.qdq_rowwise(dy, rule)
         elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % g == 0:
-            dyq, dyq_t = quantize_dual(dy, rule, g)  # FP8 along N (dgrad) and along tokens (wgrad): one read
+            dyq, dyq_t = quantize_dual(dy, rule, g, be)  # FP8 along N (dgrad) and along tokens (wgrad): one read
             dyq_t = dyq_t.mT
         if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
             if dyq is None:
-                dyq = quantize(dy, -1, rule, g)
-            wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion)
-            dx = _product(dyq, wq_n, offs, ctx.x_dtype)
+                dyq = quantize(dy, -1, rule, g, backend=be)
+            wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion, be)
+            dx = _product(dyq, wq_n, offs, ctx.x_dtype, be)
             dyq = wq_n = None  # dgrad's operands freed before wgrad's are made (peak memory)
         if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
             if recipe.wgrad_mxfp8:
                 if dyq_t is None:
-                    dyq_t = quantize(_pad_rows(dy, g), 0, rule, g).mT  # [N, M] along tokens
+                    dyq_t = quantize(_pad_rows(dy, g), 0, rule, g, backend=be).mT  # [N, M] along tokens
                 if ctx.expansion:  # torch._grouped_mm writes BF16: cast once its operands are freed (peak memory)
-                    dw = _product(dyq_t, x_saved, offs, torch.bfloat16)
+                    dw = _product(dyq_t, x_saved, offs, torch.bfloat16, be)
                     dyq_t = None
-                    dw = dispatch.bf16_to(dw, ctx.w_dtype)
+                    dw = dispatch.bf16_to(dw, ctx.w_dtype, be)
                 else:
-                    dw = _product(dyq_t, x_saved, offs, torch.float32)
+                    dw = _product(dyq_t, x_saved, offs, torch.float32, be)
             else:
-                dw = grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False)
+                dw = grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False, backend=be)
             dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
                    validate: bool = True, x_mx: MXTensor | None = None,
-                   x_wgrad: MXTensor | None = None) -> torch.Tensor:
+                   x_wgrad: MXTensor | None = None, *, backend: Backend | None = None) -> torch.Tensor:
     """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
 
     The three GEMMs (DESIGN §4): fprop contracts K (x and W quantized along K), dgrad contracts N
@@ -450,6 +454,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             FP8 copy along tokens (``[M, K]``, axis 0, ``M % 32 == 0``): fprop uses ``x`` and wgrad
             ``x_wgrad`` without quantizing again. ``validate`` checks that x is unchanged by
             quantization (so every route computes the same product).
+        backend: the kernels (:func:`mxmoe.backend.resolve` of ``x.device`` by default); the backward
+            uses the forward's.
     Returns:
         ``[M, N]`` in ``x.dtype``.
     Raises:
@@ -462,6 +468,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     recipe. First-order gradients only (no double backward).
     """
     recipe = get_recipe(recipe)
+    be = backend or resolve(x.device)
     if validate:
         if x.dim() != 2 or w.dim() != 3:
             raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
@@ -488,15 +495,15 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             keep = (torch.arange(x.shape[0], device=x.device) < end).unsqueeze(1)
             x = torch.where(keep, x, 0)
             return torch.where(keep, grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx,
-                                                    x_wgrad=x_wgrad), 0)
+                                                    x_wgrad=x_wgrad, backend=be), 0)
     if recipe.mxfp8:
-        return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx, x_wgrad)
+        return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx, x_wgrad, be)
     dt = getattr(torch, recipe.compute_dtype)
-    if dt == torch.bfloat16 and w.dtype == torch.float32 and _layer_ops(w) is not None:
-        w16 = _ToBF16.apply(w)  # the same cast, its backward through the layer's cast kernel
+    if dt == torch.bfloat16 and w.dtype == torch.float32 and _layer_ops(w, be) is not None:
+        w16 = _ToBF16.apply(w, be)  # the same cast, its backward through the layer's cast kernel
     else:
         w16 = w.to(dt)
-    y = grouped_mm(x.to(dt), w16.mT, offs, _validate=False)
+    y = grouped_mm(x.to(dt), w16.mT, offs, _validate=False, backend=be)
     return y.to(x.dtype)
 
 
@@ -506,38 +513,39 @@ class _ToBF16(torch.autograd.Function):
     bf16 layer's step on an H200, benchmarks/NOTES_moe_layer.md). Same values."""
 
     @staticmethod
-    def forward(ctx, w):
-        ctx.ops = _layer_ops(w)  # the backward uses what the forward chose (MXMOE_LAYER_KERNELS may change)
+    def forward(ctx, w, be: Backend):
+        ctx.ops = _layer_ops(w, be)
         return w.to(torch.bfloat16)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        return ctx.ops.to_float32(g) if ctx.ops is not None else g.float()
+        return (ctx.ops.to_float32(g) if ctx.ops is not None else g.float()), None
 
 
 # --------------------------------------------------------------------------------------------
 # SwiGLU between the expert products
 # --------------------------------------------------------------------------------------------
-def _layer_ops(t: torch.Tensor):
+def _layer_ops(t: torch.Tensor, be: Backend):
     """The layer kernels (:mod:`mxmoe.kernels.layer`, via :func:`mxmoe.kernels.dispatch.layer_ops`)
-    for a CUDA BF16/FP16/FP32 tensor, else None (the torch ops run). ``MXMOE_LAYER_KERNELS=0`` turns
-    them off (e.g. to time the layer with and without them in one run)."""
+    for a CUDA BF16/FP16/FP32 tensor where ``be.layer_kernels`` is on, else None (the torch ops run).
+    ``MXMOE_LAYER_KERNELS=0`` turns them off (e.g. to time the layer with and without them in one run)."""
     if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None  # (FP64 keeps the torch ops: the kernels sum in FP32)
     from mxmoe.kernels import dispatch
 
-    return dispatch.layer_ops()
+    return dispatch.layer_ops(be)
 
 
-def _fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: torch.Tensor | None) -> bool:
+def _fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: torch.Tensor | None,
+               be: Backend) -> bool:
     """Whether a fused kernel may hand the product with ``w_next`` its ``[rows, cols]`` operand
     directly as BF16 MX values plus the FP8 copy along rows (``x_wgrad``): that product runs on the
     Hopper expansion route under an MXFP8 recipe with MX wgrad, x is 2D bfloat16, and both sizes
     are multiples of 32."""
     return (w_next is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and recipe.mxfp8
             and recipe.wgrad_mxfp8 and rows % BLOCK == 0 and cols % BLOCK == 0
-            and _expansion(x, w_next, recipe) is not None)
+            and _expansion(x, w_next, recipe, be) is not None)
 
 
 class _SwiGLUQDQ(torch.autograd.Function):
@@ -548,28 +556,29 @@ class _SwiGLUQDQ(torch.autograd.Function):
     :func:`swiglu`)."""
 
     @staticmethod
-    def forward(ctx, h, scale_rule: str, save_h_fp8: bool):
+    def forward(ctx, h, scale_rule: str, save_h_fp8: bool, be: Backend):
         from mxmoe.kernels import dispatch
 
         # a's columnwise storage [F, M], [F, M/32]; then h along 2F, or two empty tensors
         a16, data_t, scale_t, qh, sh = dispatch.swiglu_qdq(h, scale_rule, save_h_fp8)
         hs, ctx.h_meta = _pack(MXTensor(qh, sh, 1, scale_rule) if save_h_fp8 else h)
         ctx.save_for_backward(*hs)
+        ctx.be = be
         ctx.mark_non_differentiable(data_t, scale_t)
         return a16, data_t, scale_t
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da, *_):
-        return _swiglu_backward(da, _unpack(ctx.saved_tensors, ctx.h_meta)), None, None
+        return _swiglu_backward(da, _unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None, None
 
 
-def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor") -> torch.Tensor:
+def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor", be: Backend) -> torch.Tensor:
     """dh ``[M, 2F]`` of ``a = F.silu(gate) * up`` from ``da [M, F]``: torch's autograd arithmetic,
     from one pass of the layer kernel on CUDA for bf16 (bit for bit the same). h may be an
     MXTensor along its last dim: the gradient is then taken at its MX values in da's dtype (the
     CUDA kernel expands them itself, for a 2D bf16 da and F % 32 == 0)."""
-    ops = _layer_ops(da)
+    ops = _layer_ops(da, be)
     if isinstance(h, MXTensor):
         if (ops is not None and da.dtype == torch.bfloat16 and da.dim() == 2 and h.axis == 1
                 and da.shape[1] % BLOCK == 0):
@@ -589,21 +598,22 @@ class _SwiGLU(torch.autograd.Function):
     at h's MX values (the ``swiglu_input_fp8`` recipes off the fused path: the same numbers)."""
 
     @staticmethod
-    def forward(ctx, h, save_rule: str | None):
-        ops = _layer_ops(h)
+    def forward(ctx, h, save_rule: str | None, be: Backend):
+        ops = _layer_ops(h, be)
         if ops is not None and h.dim() == 2 and h.dtype == torch.bfloat16:
             a = ops.swiglu(h)
         else:
             gate, up = h.split(h.shape[-1] // 2, dim=-1)
             a = torch.nn.functional.silu(gate) * up
-        hs, ctx.h_meta = _pack(h if save_rule is None else quantize(h.detach(), -1, save_rule))
+        hs, ctx.h_meta = _pack(h if save_rule is None else quantize(h.detach(), -1, save_rule, backend=be))
         ctx.save_for_backward(*hs)  # (saved tensors, not ctx attributes: freed after backward)
+        ctx.be = be
         return a
 
     @staticmethod
     @once_differentiable
     def backward(ctx, da):
-        return _swiglu_backward(da, _unpack(ctx.saved_tensors, ctx.h_meta)), None
+        return _swiglu_backward(da, _unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None
 
 
 class _PermuteQDQ(torch.autograd.Function):
@@ -613,13 +623,13 @@ class _PermuteQDQ(torch.autograd.Function):
     each token sums the gradient rows of its top_k slots. Quantization is straight-through."""
 
     @staticmethod
-    def forward(ctx, x2, slot_rows, rows: int, top_k: int, scale_rule: str):
+    def forward(ctx, x2, slot_rows, rows: int, top_k: int, scale_rule: str, be: Backend):
         from mxmoe.kernels import dispatch
 
         src = _row_tokens(slot_rows, rows, top_k)
         xp16, data_t, scale_t = dispatch.permute_qdq(x2, src, scale_rule)  # columnwise storage [D, M], [D, M/32]
         ctx.save_for_backward(slot_rows)
-        ctx.top_k = top_k
+        ctx.top_k, ctx.be = top_k, be
         ctx.mark_non_differentiable(data_t, scale_t)
         return xp16, data_t, scale_t
 
@@ -627,7 +637,7 @@ class _PermuteQDQ(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dxp, *_):
         (slot_rows,) = ctx.saved_tensors
-        return _permute_backward(dxp, slot_rows, ctx.top_k), None, None, None, None
+        return _permute_backward(dxp, slot_rows, ctx.top_k, ctx.be), None, None, None, None, None
 
 
 def _row_slots(slot_rows: torch.Tensor, rows: int) -> torch.Tensor:
@@ -642,10 +652,10 @@ def _row_tokens(slot_rows: torch.Tensor, rows: int, top_k: int) -> torch.Tensor:
     return torch.where(slot >= 0, slot // top_k, -1)
 
 
-def _permute_backward(dxp: torch.Tensor, slot_rows: torch.Tensor, top_k: int) -> torch.Tensor:
+def _permute_backward(dxp: torch.Tensor, slot_rows: torch.Tensor, top_k: int, be: Backend) -> torch.Tensor:
     """Each token's gradient: the sum of its top_k slots' rows of ``dxp`` (FP32 sums, one rounding;
     the ops autograd runs for ``repeat_interleave`` + ``index_copy``, so the same values)."""
-    ops = _layer_ops(dxp)
+    ops = _layer_ops(dxp, be)
     if ops is not None:
         return ops.gather_sum(dxp, slot_rows, top_k, None)
     g = dxp.index_select(0, slot_rows)  # [T*top_k, D], slot t*top_k + j
@@ -657,16 +667,16 @@ class _Permute(torch.autograd.Function):
     backward one gather-sum kernel; the same values as ``repeat_interleave`` + ``index_copy``."""
 
     @staticmethod
-    def forward(ctx, x2, slot_rows, rows: int, top_k: int):
+    def forward(ctx, x2, slot_rows, rows: int, top_k: int, be: Backend):
         ctx.save_for_backward(slot_rows)
-        ctx.top_k = top_k
-        return _layer_ops(x2).gather_rows(x2, _row_tokens(slot_rows, rows, top_k), rows)
+        ctx.top_k, ctx.be = top_k, be
+        return _layer_ops(x2, be).gather_rows(x2, _row_tokens(slot_rows, rows, top_k), rows)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dxp):
         (slot_rows,) = ctx.saved_tensors
-        return _permute_backward(dxp, slot_rows, ctx.top_k), None, None, None
+        return _permute_backward(dxp, slot_rows, ctx.top_k, ctx.be), None, None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -692,10 +702,10 @@ class _Combine(torch.autograd.Function):
     rows writing their gradient and the router weights' gradient (see :func:`combine`)."""
 
     @staticmethod
-    def forward(ctx, yp, slot_rows, weights, top_k: int):
+    def forward(ctx, yp, slot_rows, weights, top_k: int, be: Backend):
         w = weights.reshape(-1).to(torch.float32).contiguous()
         ctx.save_for_backward(yp, slot_rows, w)
-        ctx.top_k, ctx.w_dtype, ctx.ops = top_k, weights.dtype, _layer_ops(yp)
+        ctx.top_k, ctx.w_dtype, ctx.ops = top_k, weights.dtype, _layer_ops(yp, be)
         return ctx.ops.gather_sum(yp, slot_rows, top_k, w)
 
     @staticmethod
@@ -703,10 +713,11 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, dy):
         yp, slot_rows, w = ctx.saved_tensors
         dyp, dw = ctx.ops.combine_backward(dy, w, yp, _row_slots(slot_rows, yp.shape[0]), ctx.top_k)
-        return dyp, None, dw.view(-1, ctx.top_k).to(ctx.w_dtype), None
+        return dyp, None, dw.view(-1, ctx.top_k).to(ctx.w_dtype), None, None
 
 
-def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, validate: bool = True) -> torch.Tensor:
+def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, validate: bool = True, *,
+            backend: Backend | None = None) -> torch.Tensor:
     """Expert outputs back in token order, weighted over each token's top_k experts:
     ``y[t] = sum_j weights[t, j] * yp[slot_rows[t*top_k + j]]``.
 
@@ -739,15 +750,17 @@ def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, va
         if slot_rows.unique().numel() != slot_rows.numel():
             raise ValueError("combine: slot_rows repeats a row (each expert row feeds one slot)")
     T, top_k = weights.shape
-    if _layer_ops(yp) is not None:
-        return _Combine.apply(yp, slot_rows, weights, top_k)
+    be = backend or resolve(yp.device)
+    if _layer_ops(yp, be) is not None:
+        return _Combine.apply(yp, slot_rows, weights, top_k, be)
     acc = torch.promote_types(yp.dtype, torch.float32)  # FP32, or FP64 for FP64 inputs
     y = _GatherRows.apply(yp, slot_rows).view(T, top_k, yp.shape[1])
     return (y.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(yp.dtype)
 
 
 def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: int,
-                   recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None):
+                   recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None, *,
+                   backend: Backend | None = None):
     """Tokens ``x2 [T, D]`` -> the expert-ordered buffer ``xp [rows, D]`` feeding the expert
     product with ``w_next`` (``[E, N, D]``): slot ``t*top_k + j`` (token t's j-th expert) goes to row
     ``slot_rows[t*top_k + j]`` (``slot_rows`` ``[T*top_k]`` int64, distinct rows); other rows are zero.
@@ -759,26 +772,29 @@ def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: 
     gathered by the layer's gather kernel on CUDA, by ``repeat_interleave`` + ``index_copy`` on the CPU
     (the same values). Gradients flow to x2 either way, the same bits.
 
-    The environment variable ``MXMOE_FUSED_PERMUTE`` (read at every call; default ``"1"``) set to
-    ``"0"`` disables the fused kernel (e.g. to time the layer with and without it in one run).
+    ``MXMOE_FUSED_PERMUTE=0`` (``backend.fused_permute`` off) disables the fused kernel (e.g. to time
+    the layer with and without it in one run). ``backend``: :func:`mxmoe.backend.resolve` of the
+    device by default.
     """
     recipe = get_recipe(recipe)
     if x2.dim() != 2 or slot_rows.dim() != 1 or slot_rows.numel() != x2.shape[0] * top_k:
         raise ValueError(f"permute_tokens expects x2 [T, D] and slot_rows [T*top_k]; got {tuple(x2.shape)}, "
                          f"{tuple(slot_rows.shape)} with top_k={top_k}")
     D = x2.shape[-1]
-    if os.environ.get("MXMOE_FUSED_PERMUTE", "1") != "0" and _fused_qdq(x2, rows, D, recipe, w_next):
+    be = backend or resolve(x2.device)
+    if be.fused_permute and _fused_qdq(x2, rows, D, recipe, w_next, be):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 
-        xp16, data_t, scale_t = _PermuteQDQ.apply(x2, slot_rows, rows, top_k, recipe.scale_rule)
+        xp16, data_t, scale_t = _PermuteQDQ.apply(x2, slot_rows, rows, top_k, recipe.scale_rule, be)
         return xp16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
-    if _layer_ops(x2) is not None:
-        return _Permute.apply(x2, slot_rows, rows, top_k), None
+    if _layer_ops(x2, be) is not None:
+        return _Permute.apply(x2, slot_rows, rows, top_k, be), None
     src = x2.repeat_interleave(top_k, dim=0)  # [T*top_k, D], slot t*top_k + j
     return x2.new_zeros(rows, D).index_copy(0, slot_rows, src), None
 
 
-def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None):
+def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None, *,
+           backend: Backend | None = None):
     """SwiGLU of ``h [M, 2F]`` (gate ``h[:, :F]``, up ``h[:, F:]``) feeding the expert product with ``w_next``.
 
     Returns ``(a, a_wgrad)``. Where that product takes the Hopper expansion route (CUDA, bf16 h,
@@ -802,12 +818,13 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
     f = h.shape[-1] // 2
     # (only when a backward will need h: no extra quantization under no_grad / for inference)
     save_fp8 = recipe.swiglu_input_fp8 and f % BLOCK == 0 and h.requires_grad and torch.is_grad_enabled()
-    if _fused_qdq(h, h.shape[0], f, recipe, w_next):
+    be = backend or resolve(h.device)
+    if _fused_qdq(h, h.shape[0], f, recipe, w_next, be):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 
-        a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule, save_fp8)
+        a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule, save_fp8, be)
         return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
-    if save_fp8 or (h.dim() == 2 and h.dtype == torch.bfloat16 and _layer_ops(h) is not None):
-        return _SwiGLU.apply(h, recipe.scale_rule if save_fp8 else None), None
+    if save_fp8 or (h.dim() == 2 and h.dtype == torch.bfloat16 and _layer_ops(h, be) is not None):
+        return _SwiGLU.apply(h, recipe.scale_rule if save_fp8 else None, be), None
     gate, up = h.split(f, dim=-1)
     return torch.nn.functional.silu(gate) * up, None

@@ -428,7 +428,8 @@ class ExpertParallelMoE(MoE):
         """Collective: the reverse exchange (see :meth:`combine`), then each token's weighted sum."""
         T = r.weights.shape[0]
         ys = self.combine(yp, plan, T)  # [T*top_k, D], slot t*top_k + j
-        return ops.combine(ys, torch.arange(ys.shape[0], device=ys.device), r.weights, validate=False)
+        return ops.combine(ys, torch.arange(ys.shape[0], device=ys.device), r.weights, validate=False,
+                           backend=r.backend)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", ep_size={self.ep_size}, local_experts="

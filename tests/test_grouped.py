@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import mxmoe
+from mxmoe.backend import Backend, resolve
 from mxmoe.kernels import dispatch
 from mxmoe.ops import grouped_linear, grouped_mm
 
@@ -221,7 +222,7 @@ def test_bad_inputs_give_clear_errors(monkeypatch):
         mxmoe.MoE(64, 64, 4, 2)(torch.tensor(1.0))
     monkeypatch.setenv("MXMOE_SM90_GEMM", "GLUON")
     with pytest.raises(ValueError, match="MXMOE_SM90_GEMM"):
-        dispatch.sm90_gemm_backend(1)
+        resolve("cpu")
 
 
 @pytest.mark.parametrize("route", ["bf16", "gluon", "mixed"])
@@ -232,9 +233,7 @@ def test_sm90_routes_pick_kernels(route, monkeypatch):
     from types import SimpleNamespace
 
     calls = []
-    monkeypatch.setenv("MXMOE_SM90_GEMM", route)
-    monkeypatch.setattr(dispatch, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(dispatch, "_triton_ok", lambda: True)
+    be = Backend("cuda:0", "sm90", True, route)
     monkeypatch.setattr(dispatch, "_ops", lambda: SimpleNamespace(
         sm90_m_grouped_gemm=lambda *a: calls.append("gluon_m"), sm90_k_grouped_gemm=lambda *a: calls.append("gluon_k")))
     monkeypatch.setattr(dispatch, "expand_bf16", lambda t: t)
@@ -243,9 +242,9 @@ def test_sm90_routes_pick_kernels(route, monkeypatch):
     for block in (32, (32, 32)):
         a, w = mxmoe.quantize(torch.randn(64, 64, generator=g)), mxmoe.quantize(torch.randn(2, 32, 64, generator=g),
                                                                                 block=block)
-        dispatch.mx_grouped_mm_cuda(a, w.mT, offsets([32, 32]), torch.bfloat16)  # M-grouped
+        dispatch.mx_grouped_mm_cuda(a, w.mT, offsets([32, 32]), torch.bfloat16, be)  # M-grouped
         dy, x = mxmoe.quantize(torch.randn(64, 32, generator=g), axis=0), mxmoe.quantize(a.dequantize(), axis=0)
-        dispatch.mx_grouped_mm_cuda(dy.mT, x, offsets([32, 32]), torch.float32)  # K-grouped
+        dispatch.mx_grouped_mm_cuda(dy.mT, x, offsets([32, 32]), torch.float32, be)  # K-grouped
     m_kernel, k_kernel = {"bf16": ("bf16", "bf16"), "gluon": ("gluon_m", "gluon_k"), "mixed": ("gluon_m", "bf16")}[route]
     assert calls == [m_kernel, k_kernel] * 2
 

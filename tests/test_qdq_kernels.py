@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from mxmoe.backend import resolve
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRELUDE = r"""
@@ -21,6 +23,7 @@ import sys, torch
 sys.path.insert(0, "tests")
 from test_quantize_kernels import wide_randn, with_special_blocks
 from mxmoe.kernels import quantize as Q
+from mxmoe.backend import resolve
 
 gen = torch.Generator().manual_seed(0)
 
@@ -116,20 +119,20 @@ for M, f in ((96, 160), (64, 256)):
                 assert qh.numel() == sh.numel() == 0
     h = h.nan_to_num(0.0, 0.0, 0.0).requires_grad_()
     da = torch.randn(M, f, generator=gen).to(torch.bfloat16)
-    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", False)
+    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", False, resolve(h.device))
     (dh,) = torch.autograd.grad(a16, h, da)
     gate, up = h.split(f, -1)
     (want,) = torch.autograd.grad(F.silu(gate) * up, h, da)
     same(dh, want, "swiglu backward")
     # h kept as MXFP8: the gradient at h's MX values (torch's ops on the dequantized h)
-    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", True)
+    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", True, resolve(h.device))
     (dh,) = torch.autograd.grad(a16, h, da)
     hq = formats.quantize(h.detach(), -1, "rceil").dequantize(torch.float32).to(torch.bfloat16).requires_grad_()
     gq, uq = hq.split(f, -1)
     (want,) = torch.autograd.grad(F.silu(gq) * uq, hq, da)
     same(dh, want, "swiglu backward at h's MX values")
     # what the autograd function hands to ops.swiglu: columnwise storage that wraps into a's MXTensor
-    _, dt, st = ops._SwiGLUQDQ.apply(h, "rceil", False)
+    _, dt, st = ops._SwiGLUQDQ.apply(h, "rceil", False, resolve(h.device))
     c = formats.quantize((F.silu(gate) * up).detach(), 0, "rceil")
     a_t = Q.columnwise_mxtensor(dt, st, "rceil")
     same(a_t.data.contiguous(), c.data, "swiglu autograd a_t data")
@@ -188,7 +191,7 @@ for T, D, E, top_k in ((45, 288, 5, 1), (45, 288, 5, 2), (70, 96, 6, 4), (0, 64,
     # autograd: the fused function against autograd of the old composition (bf16, finite values)
     x2 = wide_randn((T, D), torch.bfloat16, "cpu", gen).requires_grad_()
     dxp = torch.randn(M, D, generator=gen).to(torch.bfloat16)
-    xp16, dt, st = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil")
+    xp16, dt, st = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
     same(xp16, Q.qdq_dual(old_permute(x2.detach(), slot_rows, M, top_k))[0], f"autograd forward top_k={top_k}")
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(old_permute(x2, slot_rows, M, top_k), x2, dxp)
@@ -205,7 +208,7 @@ m = MoE(64, 96, 6, 2)
 x = torch.randn(45, 64).to(torch.bfloat16)
 
 def fused_permute(x2, r):
-    xp16, dt, st = ops._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule)
+    xp16, dt, st = ops._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule, resolve(x2.device))
     return xp16, r.offs, Q.columnwise_mxtensor(dt, st, m.recipe.scale_rule), r
 
 from test_qdq_kernels import _layer_step
@@ -240,7 +243,7 @@ dy = torch.randn(96, N, generator=gen).to(torch.bfloat16)
 reference_route = ops._expansion
 
 def run(recipe, expansion):
-    ops._expansion = (lambda x, w, r: dispatch) if expansion else reference_route
+    ops._expansion = (lambda x, w, r, be: dispatch) if expansion else reference_route
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     y = ops.grouped_linear(x, w, offs, recipe)
     y.backward(dy)
@@ -430,7 +433,7 @@ def test_gpu_layer_qdq_route_equals_old_composition(recipe, rows, monkeypatch):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(rows, 256, generator=g)).to(torch.bfloat16).cuda()
     w = (torch.randn(len(sizes), 192, 256, generator=g) / 16).cuda()
-    assert ops._expansion(x, w, mxmoe_recipe(recipe)) is not None
+    assert ops._expansion(x, w, mxmoe_recipe(recipe), resolve(x.device)) is not None
     new = _layer_run(x, w, offs, recipe)
     monkeypatch.setattr(ops, "_expansion", lambda *a: None)
     old = _layer_run(x, w, offs, recipe)
@@ -552,7 +555,7 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
                     _same(a, b, f"permute_qdq {what} {dtype} {rule}")
     x2 = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).cuda().requires_grad_()
     dxp = torch.randn(M, dim, generator=g).to(torch.bfloat16).cuda()
-    xp16, _, _ = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil")
+    xp16, _, _ = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(_old_permute(x2, slot_rows, M, top_k), x2, dxp)
     _same(got, want, "permute backward")

@@ -286,20 +286,22 @@ def _case_wide_k_scale_cols(Q, dev, gen):
 def _case_quantize_mx(Q, dev, gen):
     """dispatch.quantize_cuda (what mxmoe.quantize runs on CUDA, through the custom ops): the
     formats.quantize contract (up to .contiguous()) for every covered case."""
+    from mxmoe.backend import resolve
     from mxmoe.kernels import dispatch
 
     x = with_special_blocks(wide_randn((2, 64, 96), torch.bfloat16, "cpu", gen), -1).to(dev)
     for axis in (-1, -2, 2, 1):
         for block in (32, (32, 32)):
             for rule in RULES:
-                got = dispatch.quantize_cuda(x, axis, rule, block)
+                got = dispatch.quantize_cuda(x, axis, rule, block, resolve(x.device))
                 want = quantize(x.cpu(), axis, rule, block)
                 tag = f"quantize_cuda axis={axis} block={block} {rule}"
                 assert got is not None and got.axis == want.axis and got.block == want.block, tag
                 same_bytes(got.data.contiguous(), want.data, tag + " data")
                 same_bytes(got.scale.contiguous(), want.scale, tag + " scale")
-    assert dispatch.quantize_cuda(x, 0, "rceil", 32) is None  # the batch axis: not a kernel case
-    assert dispatch.quantize_cuda(x.to(torch.float64), -1, "rceil", 32) is None
+    be = resolve(x.device)
+    assert dispatch.quantize_cuda(x, 0, "rceil", 32, be) is None  # the batch axis: not a kernel case
+    assert dispatch.quantize_cuda(x.to(torch.float64), -1, "rceil", 32, be) is None
 
 
 def _case_columnwise_families(Q, dev, gen, tag="families"):

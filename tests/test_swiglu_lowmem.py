@@ -81,6 +81,7 @@ def test_lowmem_moe_matches_mxfp8_but_w13_grad():
 
 
 LOWMEM_SCRIPT = r"""
+from mxmoe.backend import resolve
 import torch.nn.functional as F
 from mxmoe import formats, ops
 from mxmoe.formats import MXTensor
@@ -115,8 +116,9 @@ h = (torch.randn(64, 192, generator=gen) * 3).to(torch.bfloat16).requires_grad_(
 da = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
 hm = formats.quantize(h.detach(), -1).dequantize(torch.bfloat16).requires_grad_()
 (want,) = torch.autograd.grad(F.silu(hm[:, :96]) * hm[:, 96:], hm, da)
-for fn in (lambda h: ops._SwiGLUQDQ.apply(h, "rceil", True)[0],
-           torch.compile(lambda h: ops._SwiGLUQDQ.apply(h, "rceil", True)[0], backend="aot_eager", fullgraph=True)):
+be = resolve(h.device)
+for fn in (lambda h: ops._SwiGLUQDQ.apply(h, "rceil", True, be)[0],
+           torch.compile(lambda h: ops._SwiGLUQDQ.apply(h, "rceil", True, be)[0], backend="aot_eager", fullgraph=True)):
     (dh,) = torch.autograd.grad(fn(h), h, da)
     assert torch.equal(dh, want)
 print("ok")

@@ -4,6 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mxmoe.kernels import torch_ops  # noqa: F401  (registers torch.ops.mxmoe.*)
+from mxmoe.backend import Backend
 
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 
@@ -45,5 +46,5 @@ def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
     assert dispatch._ops() is torch_ops.EAGER
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert dispatch._ops() is torch_ops
-    if dispatch._triton_ok():  # (layer_ops is None without triton)
-        assert dispatch.layer_ops() is torch_ops
+    assert dispatch.layer_ops(Backend("cuda:0", "sm90", True, layer_kernels=True)) is torch_ops
+    assert dispatch.layer_ops(Backend("cuda:0", "sm90", True, layer_kernels=False)) is None

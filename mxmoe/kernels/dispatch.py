@@ -1,21 +1,17 @@
-"""Chooses the fast CUDA path for an op, or returns None so the caller runs the torch reference.
+"""The kernels' entry points for the ops: each takes the fast CUDA path the :class:`~mxmoe.backend.Backend`
+names for the case, or returns None so the caller runs the torch reference.
 
-One place decides which kernel serves which case: Triton quantization kernels
-(:mod:`mxmoe.kernels.quantize`), the Hopper grouped GEMM (:mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`)
-and, on Blackwell, PyTorch's block-scaled grouped product (:mod:`mxmoe.kernels.sm100`).
+The backend (:mod:`mxmoe.backend`) decides the routes; this module maps them onto the kernels:
+Triton quantization kernels (:mod:`mxmoe.kernels.quantize`), the Hopper grouped GEMM
+(:mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`) and, on Blackwell, PyTorch's block-scaled grouped
+product (:mod:`mxmoe.kernels.sm100`).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+from mxmoe.backend import Backend
 
 
 def _ops():
@@ -27,18 +23,10 @@ def _ops():
     return torch_ops if torch.compiler.is_compiling() else torch_ops.EAGER
 
 
-def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 _QUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block):
+def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block, be: Backend):
     """Fast-path quantization of a CUDA tensor, or None where no kernel covers the case.
 
     Covered: 2D/3D bf16/fp16/fp32 along either of the last two dims, 1x32 or 32x32 blocks (32x32
@@ -50,7 +38,7 @@ def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block):
     block = normalize_block(block)
     if block not in ((1, BLOCK), (BLOCK, BLOCK)):
         return None
-    if x.dim() not in (2, 3) or x.dtype not in _QUANT_DTYPES or not _triton_ok():
+    if x.dim() not in (2, 3) or x.dtype not in _QUANT_DTYPES or not be.kernels:
         return None
     nd, axis = x.dim(), axis % x.dim()
     if axis not in (nd - 1, nd - 2) or x.shape[axis] % BLOCK:
@@ -70,11 +58,11 @@ def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block):
     return q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK))
 
 
-def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int = 32):
+def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int, be: Backend):
     """2D ``[M, K]`` along K and along M in 1 x ``group`` blocks from one read, or None."""
     from mxmoe.formats import BLOCK
 
-    if group != BLOCK or x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % BLOCK or x.shape[1] % BLOCK or not _triton_ok():
+    if group != BLOCK or x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % BLOCK or x.shape[1] % BLOCK or not be.kernels:
         return None
     from mxmoe.kernels import quantize as q
 
@@ -82,12 +70,12 @@ def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int = 32):
     return q.rowwise_mxtensor(data, scale, scale_rule), q.columnwise_mxtensor(data_t, scale_t, scale_rule)
 
 
-def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str, tile: int = 32):
+def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str, tile: int, be: Backend):
     """``tile`` x ``tile`` block weights ``[E, N, K]`` in both orientations from one read: (along K,
     along N), or None."""
     from mxmoe.formats import BLOCK
 
-    if tile != BLOCK or w.dim() != 3 or w.dtype not in _QUANT_DTYPES or w.shape[-1] % BLOCK or w.shape[-2] % BLOCK or not _triton_ok():
+    if tile != BLOCK or w.dim() != 3 or w.dtype not in _QUANT_DTYPES or w.shape[-1] % BLOCK or w.shape[-2] % BLOCK or not be.kernels:
         return None
     from mxmoe.kernels import quantize as q
 
@@ -96,43 +84,11 @@ def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str, tile: int = 32):
             q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK)))
 
 
-def sm90_gemm_backend(weight_block: int) -> str:
-    """Which Hopper route serves an MX grouped product.
-
-    ``"gluon"``: our warp-specialized MXFP8 kernel (FP8 wgmma + promotion every 32,
-    :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`) for all three products. ``"bf16"``: exact
-    expansion of the MX operands to BF16 (:mod:`mxmoe.kernels.dequantize`) and BF16
-    ``torch._grouped_mm``. ``"mixed"``: our kernel for the M-grouped products (fprop, dgrad), the
-    expansion for the K-grouped one (wgrad, whose operands are 1x32-block activations and gradients
-    under every recipe). Chosen by the environment variable ``MXMOE_SM90_GEMM`` (``gluon`` /
-    ``bf16`` / ``mixed`` / ``auto``); by default the route that made the MoE layer fastest on an H200
-    for the weight block (``_SM90_DEFAULT``). Only the ``bf16`` route uses the quantize-dequantize
-    kernels and the fused SwiGLU / permutation (they write BF16 operands); ``gluon`` and ``mixed``
-    read FP8 operands from the quantization kernels.
-
-    Raises:
-        ValueError: ``MXMOE_SM90_GEMM`` set to anything else.
-    """
-    choice = os.environ.get("MXMOE_SM90_GEMM", "auto")
-    if choice in ("gluon", "bf16", "mixed"):
-        return choice
-    if choice != "auto":
-        raise ValueError(f"MXMOE_SM90_GEMM must be 'gluon', 'bf16', 'mixed' or 'auto', got {choice!r}")
-    return _SM90_DEFAULT[weight_block]
-
-
-# H200, 2026-11-30 (benchmarks/results/h200/grouped_gemm_routes.json), vs BF16 torch._grouped_mm:
-# Gluon 0.32-0.54x (1x32 weights) and 0.41-0.89x (32x32); BF16 expansion (kernel v2) 0.61-0.97x on
-# qwen3/dsv3 for either weight block, where Gluon 32x32 reached 0.41-0.78x. In the MoE layer the
-# expansion route (mxfp8) beat Gluon (mxfp8_2d) on 3 of 4 shapes. Gluon stays selectable.
-# Session 10 (TMA-store epilogue; grouped_gemm.json, moe_layer_routes_s10.json): Gluon 32x32 fprop/dgrad
-# 0.67-1.05x, ahead of the expansion on most GEMMs, but the layer on Gluon is still slower (mxfp8_2d
-# 0.76-0.93x BF16 vs 0.85-1.02x expanded): its 1x32 wgrad runs at 0.49-0.64x.
-# Session 11 (moe_layer_routes_s11.json): "mixed" (Gluon fprop/dgrad, expanded wgrad) with 32x32 weights
-# 0.95x on Llama-4 (default 0.89-0.90x) but 0.62-1.01x elsewhere (default 0.80-1.03x): our kernel's
-# fprop+dgrad match the BF16 products' time in the layer, and the fused BF16-writing permutation and
-# SwiGLU are lost.
-_SM90_DEFAULT = {1: "bf16", 32: "bf16"}
+# The Hopper default route for 1x32 / 32x32 operands is the expansion (mxmoe.backend: MXMOE_SM90_GEMM=auto).
+# H200, 2026-11-30 (benchmarks/results/h200/grouped_gemm.json, moe_layer_routes_s10.json,
+# moe_layer_routes_s11.json; benchmarks/NOTES_grouped_gemm.md): our 1x32 kernel runs at 0.42-0.64x BF16
+# and the 32x32 one at 0.67-1.05x, and in the MoE layer the expansion route stayed ahead on 3 of 4 shapes
+# ("mixed" only on Llama-4), so both stay selectable and the expansion is the default.
 
 
 def _kmajor(t):
@@ -141,24 +97,24 @@ def _kmajor(t):
     return data, t.scale.contiguous()
 
 
-def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted: bool = False):
-    """Fast-path MX grouped product of CUDA MXTensors, or None where no kernel covers the case.
+def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Backend, trusted: bool = False):
+    """Fast-path MX grouped product of CUDA MXTensors on the route ``be.gemm_route`` names, or None
+    where no kernel covers the case (the caller runs the reference).
 
-    ``trusted``: the caller guarantees the offsets (wgrad: multiples of 32), so no host sync.
+    ``trusted``: the caller guarantees the offsets (wgrad: multiples of the scale group), so no host sync.
     """
-    major, _ = _capability(a.device.index or 0)
-    if major == 10:
+    route = be.gemm_route(b.dim() == 2, a.block, b.block)
+    if route == "sm100":
         from mxmoe.kernels.sm100 import sm100_mxfp8_grouped_mm
 
         return sm100_mxfp8_grouped_mm(a, b, offs, out_dtype)
-    if (major, _) != (9, 0) or not _triton_ok() or out_dtype not in (torch.bfloat16, torch.float32):
+    if route == "reference" or out_dtype not in (torch.bfloat16, torch.float32):
         return None
+    if route == "expansion":
+        return bf16_grouped_mm(a, b, offs, out_dtype, be)
     from mxmoe.formats import BLOCK
 
     wb = BLOCK if b.block == (BLOCK, BLOCK) else 1
-    route = sm90_gemm_backend(wb)
-    if route == "bf16" or (route == "mixed" and b.dim() == 2):
-        return bf16_grouped_mm(a, b, offs, out_dtype)
     a_data, a_scale = _kmajor(a)
     b_data, b_scale = _kmajor(b.mT)  # [E, N, K] or [K, T]: contraction last
     ops = _ops()
@@ -171,17 +127,12 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, trusted
 # --------------------------------------------------------------------------------------------
 # Hopper expansion route: BF16 MX values straight from the quantize-dequantize (QDQ) kernels
 # --------------------------------------------------------------------------------------------
-def expansion_route(recipe, x: torch.Tensor, w: torch.Tensor) -> bool:
+def expansion_route(recipe, x: torch.Tensor, w: torch.Tensor, be: Backend) -> bool:
     """Whether the MX products of an expert linear layer (x ``[M, K]``, w ``[E, N, K]``) under
     ``recipe`` (a :class:`mxmoe.recipes.Recipe`) run on the Hopper expansion route
-    (``sm90_gemm_backend(weight_block) == "bf16"``) with the QDQ kernels covering both inputs (CUDA
-    bf16/fp16/fp32, triton present, 1x32 activation blocks and 1x32 / 32x32 weights: the QDQ kernels'
-    scale groups)."""
-    if recipe.act_block != 32 or recipe.weight_block not in (1, 32):
-        return False
-    if not (x.is_cuda and x.dtype in _QUANT_DTYPES and w.dtype in _QUANT_DTYPES and _triton_ok()):
-        return False
-    return _capability(x.device.index or 0) == (9, 0) and sm90_gemm_backend(recipe.weight_block) == "bf16"
+    (:meth:`~mxmoe.backend.Backend.expansion`) with the QDQ kernels covering both inputs (CUDA
+    bf16/fp16/fp32)."""
+    return x.is_cuda and x.dtype in _QUANT_DTYPES and w.dtype in _QUANT_DTYPES and be.expansion(recipe)
 
 
 def qdq_rowwise(x: torch.Tensor, scale_rule: str, tile32: bool = False) -> torch.Tensor:
@@ -228,13 +179,13 @@ def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
     return _ops().permute_qdq(x, src, scale_rule)
 
 
-def layer_ops():
+def layer_ops(be: Backend):
     """The layer kernels (gather, gather-sum, combine backward, SwiGLU and its backward, the FP32
-    cast: :mod:`mxmoe.kernels.layer`), or None without triton or with ``MXMOE_LAYER_KERNELS=0``
-    (read at every call; the torch ops run instead). Under torch.compile their custom ops
+    cast: :mod:`mxmoe.kernels.layer`), or None where ``be.layer_kernels`` is off (no triton, or
+    ``MXMOE_LAYER_KERNELS=0``; the torch ops run instead). Under torch.compile their custom ops
     (:mod:`mxmoe.kernels.torch_ops`, same names and arguments); in eager mode the launchers
     themselves, which skips the custom-op dispatch (small layers are CPU-bound)."""
-    if os.environ.get("MXMOE_LAYER_KERNELS", "1") == "0" or not _triton_ok():
+    if not be.layer_kernels:
         return None
     if torch.compiler.is_compiling():
         return _ops()  # the custom ops
@@ -255,18 +206,18 @@ def expand_bf16(t):
     return _ops().dequantize_bf16(*_kmajor(t.mT)).mT
 
 
-def bf16_grouped_mm(a, b, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def bf16_grouped_mm(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Backend) -> torch.Tensor:
     """``torch._grouped_mm`` of the BF16 values of ``a`` and ``b`` (MXTensors expanded by
     :func:`expand_bf16`, BF16 tensors as they are); it writes BF16 (torch 2.11 takes no other output
     dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel) once the expansions
     are freed (peak memory)."""
-    return bf16_to(torch._grouped_mm(expand_bf16(a), expand_bf16(b), offs), out_dtype)
+    return bf16_to(torch._grouped_mm(expand_bf16(a), expand_bf16(b), offs), out_dtype, be)
 
 
-def bf16_to(out: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def bf16_to(out: torch.Tensor, out_dtype: torch.dtype, be: Backend) -> torch.Tensor:
     """A BF16 product in ``out_dtype``: FP32 through the layer's cast kernel on CUDA (torch's
     dtype-converting copy elsewhere); BF16 as is."""
-    ops = layer_ops() if out_dtype == torch.float32 and out.is_cuda else None
+    ops = layer_ops(be) if out_dtype == torch.float32 and out.is_cuda else None
     if ops is not None:
         return ops.to_float32(out)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)

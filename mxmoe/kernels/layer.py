@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from mxmoe.kernels.quantize import _interpreting as _soft, triton_cdiv as _cdiv
+from mxmoe.backend import interpreting as _soft
+from mxmoe.kernels.quantize import triton_cdiv as _cdiv
 
 _BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 4  # [4, 1024] tiles: 8 KB of BF16 per program, 16-byte accesses
 

@@ -39,11 +39,11 @@ Wrap results as :class:`~mxmoe.formats.MXTensor` with :func:`rowwise_mxtensor` /
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from mxmoe.backend import interpreting, resolve
 from mxmoe.formats import BLOCK, MXTensor, ScaleRule
 from mxmoe.layouts import blocked_group_offsets, blocked_numel
 
@@ -60,8 +60,7 @@ def _kernels():
     return quantize_triton
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+_interpreting = interpreting  # (the kernels pick their soft float conversions under the interpreter)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,14 +138,10 @@ _GLUON_TILES = {
 def _use_gluon(x3: torch.Tensor) -> bool:
     """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_columnwise /
     qdq_dual_bf16 with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90 (the GPUs it was checked on),
-    unit stride along K, Gluon importable, not disabled by MXMOE_QUANT_GLUON=0."""
-    if _interpreting() or not x3.is_cuda or os.environ.get("MXMOE_QUANT_GLUON", "1") == "0":
+    unit stride along K, Gluon importable, not disabled by MXMOE_QUANT_GLUON=0 (``Backend.quant_gluon``)."""
+    if not x3.is_cuda or not resolve(x3.device).quant_gluon:  # checked on H200 only (sm_100: Triton)
         return False
     if x3.stride(2) != 1 and x3.shape[2] > 1:
-        return False
-    from mxmoe.kernels.dispatch import _capability  # cached: this runs at every call
-
-    if _capability(x3.device.index) != (9, 0):  # checked on H200 only (sm_100: Triton)
         return False
     try:
         _gluon()
