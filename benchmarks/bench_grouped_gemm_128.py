@@ -221,6 +221,55 @@ def run_case(shape, proj, balance, quick, gen, pipeline: bool):
     return rows
 
 
+def run_sweep(cases, configs, quick, rounds=2):
+    """Tile/chain A/B: per case and pass, every configuration timed ``rounds`` times, interleaved
+    (a b c a b c) so drift hits all arms alike; BF16 ``torch._grouped_mm`` once per case for scale."""
+    import dataclasses
+
+    from mxmoe.kernels.sm90_tile_config import sm90_mx128_tile_config
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for shape, proj in cases:
+        E, M, hidden, ffn = SHAPES[shape]
+        N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
+        offs = torch.tensor(token_counts(M, E, "balanced", gen)).cumsum(0).to(torch.int32).cuda()
+        tfl = lambda ms: 2.0 * M * N * K / (ms * 1e-3) / 1e12  # noqa: E731
+        for pas in ("fprop", "dgrad", "wgrad"):
+            if pas == "wgrad":
+                a, sa, b, sb = B.rand_fp8(N, M), scale_1x128(N, M), B.rand_fp8(K, M), scale_1x128(K, M)
+                mk = lambda cfg: (lambda: sm90_mx128_k_grouped_gemm(  # noqa: E731
+                    a, sa, b, sb, offs, torch.float32, check_offsets=False, config=cfg))
+                a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+                ms_bf16 = B.bench(lambda: torch._grouped_mm(a16, b16.transpose(0, 1), offs=offs), quick)
+            else:
+                n_out, k_red = (N, K) if pas == "fprop" else (K, N)
+                a, sa, b = B.rand_fp8(M, k_red), scale_1x128(M, k_red), B.rand_fp8(E, n_out, k_red)
+                sb, _ = scale_128x128(E, n_out, k_red)
+                mk = lambda cfg: (lambda: sm90_mx128_m_grouped_gemm(  # noqa: E731
+                    a, sa, b, sb, offs, torch.bfloat16, config=cfg))
+                a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+                ms_bf16 = B.bench(lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs), quick)
+            del a16, b16
+            times = {c: [] for c in configs}
+            for _ in range(rounds):
+                for c in configs:
+                    cfg = dataclasses.replace(sm90_mx128_tile_config(M, N, K, E), **dict(
+                        (kv.split("=")[0], int(kv.split("=")[1])) for kv in c.split(",") if kv))
+                    try:
+                        times[c].append(B.bench(mk(cfg), quick))
+                    except Exception as exc:
+                        times[c].append(float("nan"))
+                        print(f"  {c}: {type(exc).__name__}: {exc}"[:300], flush=True)
+            row = dict(shape=shape, proj=proj, balance="balanced", **{"pass": pas}, bf16_tflops=tfl(ms_bf16),
+                       tflops={c: [tfl(t) for t in ts] for c, ts in times.items()})
+            print(f"sweep {shape:<14}{proj:<5}{pas:<6} bf16 {row['bf16_tflops']:5.0f} " + "  ".join(
+                f"[{c}] {'/'.join(f'{v:.0f}' for v in vs)}" for c, vs in row["tflops"].items()), flush=True)
+            rows.append(row)
+            del a, b, sa, sb
+            torch.cuda.empty_cache()
+    return rows
+
+
 def print_row(r):
     head = f"{r['shape']:<14}{r['proj']:<5}{r['pass']:<6}{r['balance']:<9}"
     if "error" in r:
@@ -242,8 +291,18 @@ def main():
     ap.add_argument("--projs", default="up,down")
     ap.add_argument("--balances", default="balanced,skewed")
     ap.add_argument("--no-pipeline", action="store_true", help="skip the bare-pipeline ablation rows")
+    ap.add_argument("--sweep", default=None, help="A/B of tile fields instead of the table: ';'-separated "
+                    "configurations, each ','-separated field=value on sm90_mx128_tile_config, e.g. "
+                    "'chain=2;chain=4;chain=4,stages=5' (cases: --shapes x --projs, balanced)")
     args = ap.parse_args()
     import triton
+    if args.sweep is not None:
+        cases = [(s, p) for s in args.shapes.split(",") for p in args.projs.split(",")]
+        rows = run_sweep(cases, args.sweep.split(";"), args.quick)
+        with open(args.out, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(), sweep=rows), f, indent=1)
+        return
     gen = torch.Generator().manual_seed(0)
     rows = []
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),

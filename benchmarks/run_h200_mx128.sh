@@ -10,6 +10,9 @@ if [ "${MX128_TESTS:-1}" = 1 ]; then
     | tee "$OUT/tests.txt" | grep -v "^mx128\|^m_grouped\|^k_grouped" | tail -40
   grep "rel_err" "$OUT/tests.txt" | head -60 > "$OUT/test_rel_err.txt"
 fi
+if [ -n "${MX128_SWEEP+x}" ]; then
+  timeout ${MX128_SWEEP_TIMEOUT:-200} python benchmarks/bench_grouped_gemm_128.py --out "$OUT/sweep_128.json" --sweep "$MX128_SWEEP" $MX128_SWEEP_ARGS 2>&1 | tee "$OUT/sweep.txt"
+fi
 if [ -n "${MX128_BENCH_ARGS+x}" ]; then
   timeout ${MX128_BENCH_TIMEOUT:-250} python benchmarks/bench_grouped_gemm_128.py --out "$OUT/grouped_gemm_128.json" $MX128_BENCH_ARGS 2>&1 | tee "$OUT/bench.txt"
 fi

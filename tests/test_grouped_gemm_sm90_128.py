@@ -273,3 +273,23 @@ def test_k_grouped_bitwise_rerun_and_offset_check():
     bad = torch.tensor([512, 544, 1152], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="multiple of 128"):
         sm90_mx128_k_grouped_gemm(a.data, a.scale, b.data, b.scale, bad)
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("chain", [1, 2, 8])
+def test_other_chain_lengths_match_fp64(chain):
+    """The default chain (4 stages per drain) is covered above; other chain lengths with stage counts
+    that leave every remainder (11 and 9 stages M-grouped, 3/5/10 stages K-grouped)."""
+    cfg = Sm90TileConfig(chain=chain)
+    for case in (M_CASES[1], M_CASES[2]):
+        counts, N, K, extra = case
+        a, b, offs, ref, rows = _m_case(counts, N, K, extra, seed=11)
+        out = _run_m(a, b, offs, torch.float32, config=cfg)
+        assert not out[:rows].isnan().any()
+        assert _rel_err(out[:rows], ref[:rows]) <= TOL_FP32_OUT
+    counts, N, K, extra = K_CASES[1]
+    a, b, offs, ref = _k_case(counts + [1280], N, K, extra, seed=12)
+    out = torch.full((offs.shape[0], N, K), float("nan"), device="cuda")
+    out = sm90_mx128_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, out=out, config=cfg)
+    assert not out.isnan().any() and _rel_err(out, ref) <= TOL_FP32_OUT

@@ -274,50 +274,69 @@ if HAS_GLUON:
         mbarrier.arrive(empty.index(idx), count=1)
 
     @gluon.jit
+    def _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, U: gl.constexpr,
+                  ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                  WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
+        """mx128 mode: U consecutive 128-deep stages (ring slots it .. it+U-1), unrolled.
+
+        Stage j's wgmmas go into partial j % 2 (one wgmma call = one commit group); once stage j is
+        issued, stage j-1 is retired with wait(1) and promoted while j runs in the tensor core; the last
+        one is retired with wait(0), so nothing is in flight at any loop back-edge (that makes ptxas
+        serialize every wgmma, C7514). Promotion: ``acc += P * (sa[m] * sb)``: WB32 (M-grouped, 128x128
+        weight tiles) the weight scale is uniform over the tile (its 4 equal per-32-column values): 8 FMUL
+        per thread, then one FFMA per element; else (K-grouped) ``sb[n]`` per column, FMUL + FFMA per
+        element. A slot goes back to the producer once its wgmmas are retired and its scales read."""
+        i_prev = it % STAGES
+        mbarrier.wait(ready.index(i_prev), (it // STAGES) & 1)
+        p_a = _stage_mma(a_bufs.index(i_prev), b_bufs.index(i_prev), ROW0, BMW, p_a)
+        for j in gl.static_range(1, U):
+            i_j = (it + j) % STAGES
+            mbarrier.wait(ready.index(i_j), ((it + j) // STAGES) & 1)
+            if WB32:  # few scales: read before the wait, latency under the tensor core
+                sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
+            if j % 2 == 1:
+                p_b = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_b)
+                p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
+                if not WB32:
+                    sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
+                _release(empty, i_prev)
+                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
+            else:
+                p_a = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_a)
+                p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
+                if not WB32:
+                    sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
+                _release(empty, i_prev)
+                acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, 0)
+            i_prev = i_j
+        sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
+        if (U - 1) % 2 == 0:
+            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+            _release(empty, i_prev)
+            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
+        else:
+            p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
+            _release(empty, i_prev)
+            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, 0)
+        return acc, p_a, p_b, it + U
+
+    @gluon.jit
     def _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, nstages,
                      ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
-        """mx128 mode: the K loop of one tile, ``nstages`` stages of 128 (one scale row each).
-
-        Two stages per iteration into two partials: stage 2i's wgmmas, then stage 2i+1's; stage 2i is
-        retired with wait(1) and promoted while 2i+1 runs in the tensor core, then 2i+1 is retired with
-        wait(0) and promoted (the other consumer warpgroup's wgmmas cover that promotion). Nothing is
-        in flight at the loop back-edge (that makes ptxas serialize every wgmma, C7514). Promotion per
-        stage: ``acc += P * (sa[m] * sb)``: WB32 (M-grouped, 128x128 weight tiles) the weight scale is
-        uniform over the tile (read as its 4 equal per-32-column values): 8 FMUL per thread, then one
-        FFMA per element; else (K-grouped) ``sb[n]`` per column: FMUL + FFMA per element. A stage's
-        smem slot goes back to the producer as soon as its wgmmas are retired and its scales read."""
-        for _ in range(nstages // 2):
-            i0 = it % STAGES
-            i1 = (it + 1) % STAGES
-            mbarrier.wait(ready.index(i0), (it // STAGES) & 1)
-            p_a = _stage_mma(a_bufs.index(i0), b_bufs.index(i0), ROW0, BMW, p_a)
-            mbarrier.wait(ready.index(i1), ((it + 1) // STAGES) & 1)
-            p_b = _stage_mma(a_bufs.index(i1), b_bufs.index(i1), ROW0, BMW, p_b)
-            if WB32:  # few scales: read before the wait, latency under the tensor core
-                sa, sb = _load_scales(sa_rows, sb_rows, i0, ROW0, BMW, BN, WB32, mma_layout, l3)
-            p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
-            if not WB32:
-                sa, sb = _load_scales(sa_rows, sb_rows, i0, ROW0, BMW, BN, WB32, mma_layout, l3)
-            _release(empty, i0)
-            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
-            if WB32:
-                sa, sb = _load_scales(sa_rows, sb_rows, i1, ROW0, BMW, BN, WB32, mma_layout, l3)
-            p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
-            if not WB32:
-                sa, sb = _load_scales(sa_rows, sb_rows, i1, ROW0, BMW, BN, WB32, mma_layout, l3)
-            _release(empty, i1)
-            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, 0)
-            it += 2
-        if nstages % 2 == 1:
-            i0 = it % STAGES
-            mbarrier.wait(ready.index(i0), (it // STAGES) & 1)
-            p_a = _stage_mma(a_bufs.index(i0), b_bufs.index(i0), ROW0, BMW, p_a)
-            sa, sb = _load_scales(sa_rows, sb_rows, i0, ROW0, BMW, BN, WB32, mma_layout, l3)
-            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-            _release(empty, i0)
-            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
-            it += 1
+                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr, CHAIN: gl.constexpr):
+        """mx128 mode: the K loop of one tile, ``nstages`` stages of 128 (one scale row each): chains of
+        CHAIN stages (one wgmma drain per chain), then the remainder in chains of 2 and 1."""
+        for _ in range(nstages // CHAIN):
+            acc, p_a, p_b, it = _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, CHAIN,
+                                          ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
+        if CHAIN > 2:
+            for _ in range((nstages % CHAIN) // 2):
+                acc, p_a, p_b, it = _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, 2,
+                                              ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
+        if CHAIN > 1:
+            if nstages % 2 == 1:
+                acc, p_a, p_b, it = _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, 1,
+                                              ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
         return acc, p_a, p_b, it
 
     @gluon.jit
@@ -338,7 +357,7 @@ if HAS_GLUON:
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                   ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SG: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SG: gl.constexpr, CHAIN: gl.constexpr):
         """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
         MX step, promotion of the previous step while the next one runs, then the tile's store."""
         KB: gl.constexpr = BK // 32
@@ -365,7 +384,7 @@ if HAS_GLUON:
                 acc = gl.zeros([BMW, BN], gl.float32, mma_layout)
             if SG > 1:  # mx128 mode: one promotion per 128-deep stage
                 acc, p_a, p_b, it = _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it,
-                                                 nsteps // KB, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
+                                                 nsteps // KB, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, CHAIN)
             else:
                 for s in range(gl.cdiv(nsteps, KB)):
                     idx = it % STAGES
@@ -463,7 +482,7 @@ if HAS_GLUON:
             E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
             K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
             SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, ABLATE: gl.constexpr, TMA_STORE: gl.constexpr,
-            num_warps: gl.constexpr, SG: gl.constexpr = 1):
+            num_warps: gl.constexpr, SG: gl.constexpr = 1, CHAIN: gl.constexpr = 2):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -495,10 +514,10 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG, CHAIN)),
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG)),
+                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG, CHAIN)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
@@ -507,7 +526,7 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE, SG)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE, SG, CHAIN)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
@@ -952,7 +971,7 @@ def sm90_mx128_m_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
         _desc(sb, sb_block), c_desc, out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
         K_GROUPED=False, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=_search_steps(E),
         SPLIT_WG=cfg.split_wg, ABLATE=0, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
-        maxnreg=cfg.maxnreg, SG=_SG)
+        maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
     return out
 
 
@@ -1018,5 +1037,5 @@ def sm90_mx128_k_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
         c_desc, out, offs, offs, E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=0,
         SPLIT_WG=cfg.split_wg, ABLATE=0, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
-        maxnreg=cfg.maxnreg, SG=_SG)
+        maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
     return out

@@ -34,6 +34,7 @@ class Sm90TileConfig:
     group_m: int = 8  # m-tiles per supergroup inside one expert's sub-problem
     split_wg: bool = True  # each consumer warpgroup its own partition (else one 8-warp partition)
     tma_store: bool = True  # epilogue through shared memory + TMA store where a tile's rows fill its group
+    chain: int = 4  # mx128 mode only: 128-deep stages per unrolled K-loop chain (one wgmma drain per chain)
     maxnreg: int = 168  # per-thread cap at launch: 12 warps x 168 = producer warpgroup x 24 + 8 consumer
     #                     warps x 240 after setmaxnreg (Triton's AllocateWarpGroups arithmetic)
 
@@ -95,6 +96,8 @@ def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1, scale_group: i
     if weight_block == 32 and cfg.block_k % 128 != 0:
         raise ValueError(f"with 32x32 weights block_k must be a multiple of 128 (128-byte aligned scale boxes "
                          f"per stage), got {cfg.block_k}")
+    if scale_group == 128 and cfg.chain not in (1, 2, 4, 8):
+        raise ValueError(f"the mx128 mode's chain must be 1, 2, 4 or 8 stages, got {cfg.chain}")
     if scale_group == 128 and (cfg.block_k != 128 or cfg.block_n != 128):
         raise ValueError(f"the mx128 mode needs block_k == block_n == 128 (one promotion per 128-deep stage, "
                          f"tiles inside one 128x128 weight tile), got block_k={cfg.block_k}, block_n={cfg.block_n}")
