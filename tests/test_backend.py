@@ -50,3 +50,34 @@ def test_switches_are_read_by_resolve(monkeypatch):
     monkeypatch.setenv("MXMOE_SM90_GEMM", "fast")
     with pytest.raises(ValueError, match="MXMOE_SM90_GEMM must be one of"):
         resolve("cpu")
+
+
+def test_dispatch_sends_128_operands_to_the_promote_per_128_kernel(monkeypatch):
+    """On sm_90, 1x128 x 128x128 (M-grouped) and 128x1 x 128x1 (K-grouped) operands go to the mx128
+    ops whatever MXMOE_SM90_GEMM says; 1x32 operands keep their route (kernels stubbed, CPU)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import mxmoe
+    from mxmoe.kernels import dispatch
+
+    if not backend._has_sm90_128():
+        pytest.skip("mx128 kernel not in this build")
+    calls = []
+    rec = lambda name: (lambda *a: calls.append(name))  # noqa: E731
+    monkeypatch.setattr(dispatch, "_ops", lambda: SimpleNamespace(
+        sm90_m_grouped_gemm=rec("m32"), sm90_k_grouped_gemm=rec("k32"),
+        sm90_mx128_m_grouped_gemm=rec("m128"), sm90_mx128_k_grouped_gemm=rec("k128")))
+    monkeypatch.setattr(dispatch, "bf16_grouped_mm", rec("expansion"))
+    offs = torch.tensor([128, 256], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = torch.randn(256, 128, generator=g), torch.randn(2, 128, 128, generator=g), torch.randn(256, 128, generator=g)
+    for choice in ("auto", "gluon"):
+        be = Backend(**SM90, sm90_gemm=choice)
+        dispatch.mx_grouped_mm_cuda(mxmoe.quantize(x, block=128), mxmoe.quantize(w, block=(128, 128)).mT, offs,
+                                    torch.bfloat16, be)
+        dispatch.mx_grouped_mm_cuda(mxmoe.quantize(dy, 0, block=128).mT, mxmoe.quantize(x, 0, block=128), offs,
+                                    torch.float32, be)
+        dispatch.mx_grouped_mm_cuda(mxmoe.quantize(x), mxmoe.quantize(w).mT, offs, torch.bfloat16, be)
+    assert calls == ["m128", "k128", "expansion", "m128", "k128", "m32"]

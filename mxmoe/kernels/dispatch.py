@@ -119,6 +119,10 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Bac
     b_data, b_scale = _kmajor(b.mT)  # [E, N, K] or [K, T]: contraction last
     ops = _ops()
     dt = str(out_dtype).removeprefix("torch.")
+    if route == "sm90_128":  # promotion once per 128 of K (mxfp8_128 operands)
+        if b.dim() == 3:
+            return ops.sm90_mx128_m_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt)
+        return ops.sm90_mx128_k_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, not trusted)
     if b.dim() == 3:
         return ops.sm90_m_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, wb)
     return ops.sm90_k_grouped_gemm(a_data, a_scale, b_data, b_scale, offs, dt, not trusted)

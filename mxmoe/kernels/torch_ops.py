@@ -28,6 +28,8 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``to_float32``              bf16/fp16/fp32 x -> float32 copy
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
+``sm90_mx128_m_grouped_gemm``  as ``sm90_m_grouped_gemm``, 1x128 activations x 128x128 weight tiles
+``sm90_mx128_k_grouped_gemm``  as ``sm90_k_grouped_gemm``, both operands 128x1 along tokens
 ==========================  =====================================================================
 """
 
@@ -204,6 +206,22 @@ def sm90_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
     return g.sm90_mxfp8_k_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], check_offsets=check_offsets)
 
 
+@_op
+def sm90_mx128_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                              offs: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+
+    return g.sm90_mx128_m_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype])
+
+
+@_op
+def sm90_mx128_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                              offs: torch.Tensor, out_dtype: str, check_offsets: bool) -> torch.Tensor:
+    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+
+    return g.sm90_mx128_k_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], check_offsets=check_offsets)
+
+
 quantize_rowwise.register_fake(lambda x, scale_rule: _row(x))
 quantize_columnwise.register_fake(lambda x, scale_rule: _col(x))
 quantize_dual.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
@@ -232,5 +250,10 @@ sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
     a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))
 sm90_k_grouped_gemm.register_fake(
+    lambda a, a_scale, b, b_scale, offs, out_dtype, check_offsets:
+    a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=_DTYPES[out_dtype]))
+sm90_mx128_m_grouped_gemm.register_fake(
+    lambda a, a_scale, b, b_scale, offs, out_dtype: a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))
+sm90_mx128_k_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, check_offsets:
     a.new_empty((offs.shape[0], a.shape[0], b.shape[0]), dtype=_DTYPES[out_dtype]))
