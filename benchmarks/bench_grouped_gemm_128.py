@@ -44,6 +44,7 @@ from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
 )
 
 SHAPES = B.SHAPES
+CONFIG = None  # --chain: a Sm90TileConfig for every call of ours, else the library's default
 
 
 def token_counts(M: int, E: int, balance: str, gen: torch.Generator) -> list[int]:
@@ -152,10 +153,10 @@ def run_case(shape, proj, balance, quick, gen, pipeline: bool):
             except Exception as exc:
                 ms_loop, how = float("nan"), "failed"
                 row["cublas_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            out32 = sm90_mx128_m_grouped_gemm(a, sa, b, sb, offs, torch.float32)
+            out32 = sm90_mx128_m_grouped_gemm(a, sa, b, sb, offs, torch.float32, config=CONFIG)
             row["rel_err"] = m_rel_err(out32, a, sa, b, sb, counts, gen)
             del out32
-            fn = lambda: sm90_mx128_m_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16)  # noqa: E731
+            fn = lambda: sm90_mx128_m_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16, config=CONFIG)  # noqa: E731
             o1, o2 = fn(), fn()
             row["bitwise_rerun"] = bool(torch.equal(o1[:sum(counts)].view(torch.int16),
                                                     o2[:sum(counts)].view(torch.int16)))
@@ -200,14 +201,16 @@ def run_case(shape, proj, balance, quick, gen, pipeline: bool):
         except Exception as exc:
             ms_fp8 = float("nan")
             row["fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        fn = lambda: sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32, check_offsets=False)  # noqa: E731
+        fn = lambda: sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32, check_offsets=False,  # noqa: E731
+                                               config=CONFIG)
         o1, o2 = fn(), fn()
         row["bitwise_rerun"] = bool(torch.equal(o1.view(torch.int32), o2.view(torch.int32)))
         row["rel_err"] = B.k_grouped_rel_err(o1, a, sa, b, sb, counts, gen)
         row["empty_experts_zero"] = bool(all((o1[e] == 0).all().item() for e, c in enumerate(counts) if c == 0))
         del o1, o2
         ms = bench(fn)
-        ms16 = bench(lambda: sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16, check_offsets=False))
+        ms16 = bench(lambda: sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16, check_offsets=False,
+                                                       config=CONFIG))
         row.update(ms=ms, tflops=tfl(ms), tflops_bf16_out=tfl(ms16), bf16_tflops=tfl(ms_bf16),
                    fp8_rowwise_tflops=tfl(ms_fp8), out_dtype="float32")
         row["vs_bf16"] = row["tflops"] / row["bf16_tflops"]
@@ -294,8 +297,13 @@ def main():
     ap.add_argument("--sweep", default=None, help="A/B of tile fields instead of the table: ';'-separated "
                     "configurations, each ','-separated field=value on sm90_mx128_tile_config, e.g. "
                     "'chain=2;chain=4;chain=4,stages=5' (cases: --shapes x --projs, balanced)")
+    ap.add_argument("--chain", type=int, default=None, help="override of the tile config's chain (stages per drain)")
     args = ap.parse_args()
     import triton
+    global CONFIG
+    if args.chain is not None:
+        from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
+        CONFIG = Sm90TileConfig(chain=args.chain)
     if args.sweep is not None:
         cases = [(s, p) for s in args.shapes.split(",") for p in args.projs.split(",")]
         rows = run_sweep(cases, args.sweep.split(";"), args.quick)
@@ -308,7 +316,8 @@ def main():
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                   tflops_formula="2*M*N*K/time", timing="triton.testing.do_bench median", quick=args.quick,
-                  tile="sm90_mx128_tile_config (128x128x128, 4 stages, TMA-store epilogue)", rows=rows)
+                  tile=f"sm90_mx128_tile_config (128x128x128, 4 stages, TMA-store epilogue), config {CONFIG or 'default'}",
+                  rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for shape in args.shapes.split(","):
         for proj in args.projs.split(","):
