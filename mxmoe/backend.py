@@ -101,7 +101,7 @@ class Backend:
             return "sm100"
         if self.arch != "sm90" or not self.kernels:
             return "reference"
-        if a_block == (1, 128) and b_block == ((1, 128) if k_grouped else (128, 128)) and _has_sm90_128():
+        if a_block == (1, 128) and b_block == ((1, 128) if k_grouped else (128, 128)):
             return "sm90_128"
         if self.sm90_gemm == "gluon" or (self.sm90_gemm == "mixed" and not k_grouped):
             return "sm90"
@@ -126,14 +126,6 @@ class Backend:
             return False
         routes = self.recipe_routes(recipe)
         return routes["fprop"] == routes["dgrad"] == "expansion" and routes["wgrad"] != "sm90"
-
-
-@functools.lru_cache(maxsize=None)
-def _has_sm90_128() -> bool:
-    """Whether the promote-per-128 Hopper kernel is part of this build."""
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as k
-
-    return hasattr(k, "sm90_mx128_m_grouped_gemm") and hasattr(k, "sm90_mx128_k_grouped_gemm")
 
 
 @functools.lru_cache(maxsize=64)

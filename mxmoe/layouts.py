@@ -23,13 +23,36 @@ ROW_TILE = 128
 COL_TILE = 4
 
 
-def _ceil(a: int, b: int) -> int:
+def round_up(a: int, b: int) -> int:
+    """``a`` rounded up to a multiple of ``b`` (positive ints)."""
     return -(-a // b) * b
+
+
+def check_offsets(offs: torch.Tensor, num_groups: int | None, extent: int, what: str = "rows") -> None:
+    """Validate int32 cumulative end offsets of groups.
+
+    Raises:
+        TypeError: ``offs`` is not an int32 tensor.
+        ValueError: not 1D, wrong group count, decreasing, negative, or past ``extent``.
+    """
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:
+        raise TypeError(f"offs must be an int32 tensor, got {getattr(offs, 'dtype', type(offs).__name__)}")
+    if offs.dim() != 1:
+        raise ValueError(f"offs must be 1D [num_groups], got shape {tuple(offs.shape)}")
+    if num_groups is not None and offs.numel() != num_groups:
+        raise ValueError(f"offs has {offs.numel()} groups but the operand has {num_groups}")
+    if offs.numel() == 0:
+        return
+    o = offs.cpu()
+    if (o[0] < 0) or bool((o[1:] < o[:-1]).any()):
+        raise ValueError(f"offs must be non-decreasing and non-negative, got {o.tolist()}")
+    if int(o[-1]) > extent:
+        raise ValueError(f"offs[-1] = {int(o[-1])} is past the {extent} {what} of the grouped operand")
 
 
 def blocked_numel(rows: int, cols: int) -> int:
     """Number of entries of the blocked layout of a ``[rows, cols]`` scale matrix."""
-    return _ceil(rows, ROW_TILE) * _ceil(cols, COL_TILE)
+    return round_up(rows, ROW_TILE) * round_up(cols, COL_TILE)
 
 
 def _check_scale(scale, fn: str) -> None:
@@ -53,7 +76,7 @@ def to_blocked(scale: torch.Tensor) -> torch.Tensor:
     """
     _check_scale(scale, "to_blocked")
     rows, cols = scale.shape
-    R, C = _ceil(rows, ROW_TILE), _ceil(cols, COL_TILE)
+    R, C = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     b = scale.view(torch.uint8)
     padded = torch.zeros(R, C, dtype=torch.uint8, device=scale.device)
     padded[:rows, :cols] = b
@@ -68,7 +91,7 @@ def from_blocked(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     Raises:
         ValueError: ``blocked`` does not have ``blocked_numel(rows, cols)`` entries.
     """
-    R, C = _ceil(rows, ROW_TILE), _ceil(cols, COL_TILE)
+    R, C = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     if blocked.numel() != R * C:
         raise ValueError(f"blocked scale has {blocked.numel()} entries, expected {R * C} for [{rows}, {cols}]")
     t = blocked.reshape(-1).view(torch.uint8).view(R // ROW_TILE, C // COL_TILE, 32, 4, COL_TILE)
@@ -107,8 +130,6 @@ def to_blocked_grouped(scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.T
     Raises:
         TypeError / ValueError: bad scale tensor, or offsets not int32, not non-decreasing, or past ``M``.
     """
-    from mxmoe.ops import check_offsets
-
     _check_scale(scale, "to_blocked_grouped")
     check_offsets(offs, None, scale.shape[0], "rows")
     ends = offs.tolist()

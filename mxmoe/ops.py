@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 from mxmoe import formats
 from mxmoe.backend import Backend, resolve
 from mxmoe.formats import BLOCK, MXTensor
+from mxmoe.layouts import check_offsets
 from mxmoe.recipes import Recipe, get_recipe
 
 Operand = "torch.Tensor | MXTensor"
@@ -56,28 +57,6 @@ def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=B
 # --------------------------------------------------------------------------------------------
 # Grouped matrix products (torch._grouped_mm contract)
 # --------------------------------------------------------------------------------------------
-def check_offsets(offs: torch.Tensor, num_groups: int | None, extent: int, what: str = "rows") -> None:
-    """Validate int32 cumulative end offsets of groups.
-
-    Raises:
-        TypeError: ``offs`` is not an int32 tensor.
-        ValueError: not 1D, wrong group count, decreasing, negative, or past ``extent``.
-    """
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:
-        raise TypeError(f"offs must be an int32 tensor, got {getattr(offs, 'dtype', type(offs).__name__)}")
-    if offs.dim() != 1:
-        raise ValueError(f"offs must be 1D [num_groups], got shape {tuple(offs.shape)}")
-    if num_groups is not None and offs.numel() != num_groups:
-        raise ValueError(f"offs has {offs.numel()} groups but the operand has {num_groups}")
-    if offs.numel() == 0:
-        return
-    o = offs.cpu()
-    if (o[0] < 0) or bool((o[1:] < o[:-1]).any()):
-        raise ValueError(f"offs must be non-decreasing and non-negative, got {o.tolist()}")
-    if int(o[-1]) > extent:
-        raise ValueError(f"offs[-1] = {int(o[-1])} is past the {extent} {what} of the grouped operand")
-
-
 def _is_mx(t) -> bool:
     return isinstance(t, MXTensor)
 

@@ -31,9 +31,7 @@ def test_128_recipe_never_takes_the_expansion_qdq_kernels():
         be = Backend(**SM90, sm90_gemm=choice)
         assert not be.expansion(RECIPES["mxfp8_128"])
         routes = be.recipe_routes(RECIPES["mxfp8_128"])
-        want = "sm90_128" if backend._has_sm90_128() else ("expansion" if choice == "auto" else None)
-        if want:
-            assert routes["fprop"] == routes["dgrad"] == want
+        assert routes == dict.fromkeys(("fprop", "dgrad", "wgrad"), "sm90_128")
 
 
 def test_other_devices():
@@ -62,8 +60,6 @@ def test_dispatch_sends_128_operands_to_the_promote_per_128_kernel(monkeypatch):
     import mxmoe
     from mxmoe.kernels import dispatch
 
-    if not backend._has_sm90_128():
-        pytest.skip("mx128 kernel not in this build")
     calls = []
     rec = lambda name: (lambda *a: calls.append(name))  # noqa: E731
     monkeypatch.setattr(dispatch, "_ops", lambda: SimpleNamespace(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.formats import MXTensor
-from mxmoe.layouts import COL_TILE, _ceil, to_blocked, to_blocked_grouped
+from mxmoe.layouts import COL_TILE, round_up, to_blocked, to_blocked_grouped
 
 
 def _groups_along_cols(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ def sm100_scaled_grouped_mm_args(a: MXTensor, b: MXTensor, offs: torch.Tensor, o
         mat_a = a.data.contiguous()
         mat_b = b.data.mT.contiguous().mT  # [E, K, N] with K contiguous
         sa, _ = to_blocked_grouped(a.scale.contiguous(), offs)
-        scale_a = sa.view(-1, _ceil(a.scale.shape[1], COL_TILE))
+        scale_a = sa.view(-1, round_up(a.scale.shape[1], COL_TILE))
         scale_b = torch.stack([to_blocked(b.scale[e].mT.contiguous()) for e in range(b.shape[0])])
     else:
         mat_a = a.data.contiguous()
