@@ -274,6 +274,22 @@ if HAS_GLUON:
         mbarrier.arrive(empty.index(idx), count=1)
 
     @gluon.jit
+    def _retire128(p, acc, sa, sb, sa_rows, sb_rows, empty, idx, N_OUT: gl.constexpr, EARLY: gl.constexpr,
+                   ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr,
+                   mma_layout: gl.constexpr, l3: gl.constexpr):
+        """mx128 mode: retire partial ``p`` (slot ``idx``; N_OUT wgmma groups may stay in flight), hand the
+        slot back and promote it. EARLY: ``sa, sb`` are the slot's scales, read by the caller before it
+        issued the next stage (latency under the tensor core; few scales with 128x128 weight tiles); else
+        they are placeholders and the scales are read after the wait (the K-grouped column scales do not
+        fit in registers across the wait beside three FP32 tiles: ptxas spilled)."""
+        p = warpgroup_mma_wait(num_outstanding=N_OUT, deps=(p, ))
+        if not EARLY:
+            sa, sb = _load_scales(sa_rows, sb_rows, idx, ROW0, BMW, BN, WB32, mma_layout, l3)
+        _release(empty, idx)
+        acc = _promote(acc, p, sa, sb, BMW, BN, WB32, 0)
+        return p, acc
+
+    @gluon.jit
     def _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, U: gl.constexpr,
                   ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                   WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
@@ -292,32 +308,26 @@ if HAS_GLUON:
         for j in gl.static_range(1, U):
             i_j = (it + j) % STAGES
             mbarrier.wait(ready.index(i_j), ((it + j) // STAGES) & 1)
-            if WB32:  # few scales: read before the wait, latency under the tensor core
+            if WB32:
                 sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
+            else:
+                sa, sb = acc, acc  # placeholders: _retire128 reads the scales after its wait
             if j % 2 == 1:
                 p_b = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_b)
-                p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
-                if not WB32:
-                    sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
-                _release(empty, i_prev)
-                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
+                p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32, ROW0, BMW, BN, WB32,
+                                      mma_layout, l3)
             else:
                 p_a = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_a)
-                p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
-                if not WB32:
-                    sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
-                _release(empty, i_prev)
-                acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, 0)
+                p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32, ROW0, BMW, BN, WB32,
+                                      mma_layout, l3)
             i_prev = i_j
         sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
         if (U - 1) % 2 == 0:
-            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-            _release(empty, i_prev)
-            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, 0)
+            p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 0, True, ROW0, BMW, BN, WB32,
+                                  mma_layout, l3)
         else:
-            p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
-            _release(empty, i_prev)
-            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, 0)
+            p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 0, True, ROW0, BMW, BN, WB32,
+                                  mma_layout, l3)
         return acc, p_a, p_b, it + U
 
     @gluon.jit
