@@ -1,11 +1,13 @@
 """Our grouped GEMM variants beside cuBLAS/CUTLASS on one shape: do_bench TFLOP/s, or one launch each for ncu.
 
-    python benchmarks/profile_grouped_gemm.py time [shape]
+    python benchmarks/profile_grouped_gemm.py time [shape] [up|down]
     ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight --section SchedulerStats \\
         --metrics sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed \\
-        --csv --page details python benchmarks/profile_grouped_gemm.py prof [shape]
+        --csv --page details python benchmarks/profile_grouped_gemm.py prof [shape] [up|down]
 
-fprop of the up projection (N = 2 x FFN, K = hidden), balanced token counts (default shape mixtral-8x7b).
+fprop of the up projection (N = 2 x FFN, K = hidden; ``down``: N = hidden, K = FFN), balanced token counts
+(default shape mixtral-8x7b). The mx128 kernel (recipe mxfp8_128) is timed in its default configuration and
+with the fields the next A/B needs (chain, stages, group_m), beside a per-expert cuBLAS block-scaled loop.
 Variants: the real kernel (1x32; 32x32 at 256 x 2, its default, at 256 x 3 with register stores, and at
 128 x 4), the bare MMA pipeline
 (ablate 3 at 128x128 and 128x256 tiles) and no promotion (ablate 2; both give wrong numbers by design),
@@ -30,7 +32,7 @@ from mxmoe.kernels.sm90_tile_config import Sm90TileConfig as C  # noqa: E402
 def main():
     mode = sys.argv[1]
     E, M, hidden, ffn = B.SHAPES[sys.argv[2] if len(sys.argv) > 2 else "mixtral-8x7b"]
-    N, Kd = 2 * ffn, hidden
+    N, Kd = (hidden, ffn) if len(sys.argv) > 3 and sys.argv[3] == "down" else (2 * ffn, hidden)
     offs = torch.tensor(B.token_counts(M, E, "balanced", torch.Generator().manual_seed(1))).cumsum(0)
     offs = offs.to(torch.int32).cuda()
     a, sa, b = B.rand_fp8(M, Kd), B.rand_scale(M, Kd // 32), B.rand_fp8(E, N, Kd)
@@ -38,6 +40,16 @@ def main():
     a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
     rs, cs = torch.rand(M, device="cuda") + .5, torch.rand(E, N, device="cuda") + .5
     rs1, cs1 = rs[:, None], cs[:1]
+    import bench_grouped_gemm_128 as B128  # noqa: E402
+    counts = B128.token_counts(M, E, "balanced", torch.Generator())
+    offs128 = torch.tensor(counts).cumsum(0).to(torch.int32).cuda()
+    sa128 = B128.scale_1x128(M, Kd)
+    sb128, tiles = B128.scale_128x128(E, N, Kd)
+    loop128, _ = B128.cublas_block_loop(a, sa128.view(torch.uint8), b, tiles, counts)
+
+    def mx128(**fields):
+        cfg = C(**fields)
+        return lambda: K.sm90_mx128_m_grouped_gemm(a, sa128, b, sb128, offs128, torch.bfloat16, config=cfg)
 
     def ours(wb, ablate, cfg):
         def f():
@@ -57,6 +69,12 @@ def main():
         "bare_128x128": ours(1, 3, C()),
         "bare_128x256": ours(1, 3, C(block_n=256)),
         "noprom_32x32_128x128": ours(32, 2, C()),
+        "mx128": mx128(),
+        "mx128_chain2": mx128(chain=2),
+        "mx128_stages5": mx128(stages=5),
+        "mx128_group_m16": mx128(group_m=16),
+        "mx128_group_m32": mx128(group_m=32),
+        "cublas_block_loop_mx128": loop128,
         "cutlass_fp8rw_grouped": lambda: torch._scaled_grouped_mm(a, b.transpose(-2, -1), rs, cs, offs=offs,
                                                                   out_dtype=torch.bfloat16),
         "cutlass_bf16_grouped": lambda: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs),
