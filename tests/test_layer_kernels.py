@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mxmoe import formats
 from mxmoe.kernels import layer as L
 from mxmoe.moe import permute_plan
-from mxmoe.ops import _row_slots, _row_tokens
+from mxmoe.ops.tokens import row_slots as _row_slots, row_tokens as _row_tokens
 
 def bf16_ulps(a, b):  # distance in BF16 units in the last place (same-sign values)
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item()
@@ -84,7 +84,7 @@ def test_gpu_layer_kernels_equal_torch(tokens, dim, experts, top_k):
     from mxmoe import ops
     from mxmoe.kernels import layer as L
     from mxmoe.moe import permute_plan
-    from mxmoe.ops import _row_slots, _row_tokens
+    from mxmoe.ops.tokens import row_slots as _row_slots, row_tokens as _row_tokens
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = "cuda"

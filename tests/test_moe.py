@@ -168,7 +168,7 @@ def test_gpu_torch_compile_layer(recipe):
 def test_unpermute_gather_rows_matches_index_select_grad():
     """MoE.unpermute's backward (index_copy into zeros) equals autograd's index_select backward
     (index_add into zeros) for slot rows without repeats, padding rows included (zero)."""
-    from mxmoe.ops import _GatherRows
+    from mxmoe.ops.tokens import _GatherRows
 
     gen = torch.Generator().manual_seed(3)
     experts = torch.randint(0, 6, (50, 2), generator=gen)

@@ -99,6 +99,7 @@ for dtype in (torch.bfloat16, torch.float32, torch.float16):
 # SwiGLU fused with the dual QDQ of its output, and its autograd backward
 import torch.nn.functional as F
 from mxmoe import ops
+from mxmoe.ops import activation, linear, tokens  # noqa: F401
 for M, f in ((96, 160), (64, 256)):
     h = (wide_randn((M, 2 * f), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
     h[3, 5] = float("nan"); h[4, f + 40] = float("inf"); h[5, :32] = 0; h[6, f:f + 32] = 1e-39
@@ -119,20 +120,20 @@ for M, f in ((96, 160), (64, 256)):
                 assert qh.numel() == sh.numel() == 0
     h = h.nan_to_num(0.0, 0.0, 0.0).requires_grad_()
     da = torch.randn(M, f, generator=gen).to(torch.bfloat16)
-    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", False, resolve(h.device))
+    a16, _, _ = activation._SwiGLUQDQ.apply(h, "rceil", False, resolve(h.device))
     (dh,) = torch.autograd.grad(a16, h, da)
     gate, up = h.split(f, -1)
     (want,) = torch.autograd.grad(F.silu(gate) * up, h, da)
     same(dh, want, "swiglu backward")
     # h kept as MXFP8: the gradient at h's MX values (torch's ops on the dequantized h)
-    a16, _, _ = ops._SwiGLUQDQ.apply(h, "rceil", True, resolve(h.device))
+    a16, _, _ = activation._SwiGLUQDQ.apply(h, "rceil", True, resolve(h.device))
     (dh,) = torch.autograd.grad(a16, h, da)
     hq = formats.quantize(h.detach(), -1, "rceil").dequantize(torch.float32).to(torch.bfloat16).requires_grad_()
     gq, uq = hq.split(f, -1)
     (want,) = torch.autograd.grad(F.silu(gq) * uq, hq, da)
     same(dh, want, "swiglu backward at h's MX values")
     # what the autograd function hands to ops.swiglu: columnwise storage that wraps into a's MXTensor
-    _, dt, st = ops._SwiGLUQDQ.apply(h, "rceil", False, resolve(h.device))
+    _, dt, st = activation._SwiGLUQDQ.apply(h, "rceil", False, resolve(h.device))
     c = formats.quantize((F.silu(gate) * up).detach(), 0, "rceil")
     a_t = Q.columnwise_mxtensor(dt, st, "rceil")
     same(a_t.data.contiguous(), c.data, "swiglu autograd a_t data")
@@ -156,6 +157,7 @@ def test_qdq_kernels_interpreter():
 
 PERMUTE_CHECK = r"""
 from mxmoe import ops
+from mxmoe.ops import activation, linear, tokens  # noqa: F401
 from mxmoe.moe import permute_plan
 
 def old_permute(x2, slot_rows, M, top_k):  # what MoE.permute built before the fusion
@@ -191,7 +193,7 @@ for T, D, E, top_k in ((45, 288, 5, 1), (45, 288, 5, 2), (70, 96, 6, 4), (0, 64,
     # autograd: the fused function against autograd of the old composition (bf16, finite values)
     x2 = wide_randn((T, D), torch.bfloat16, "cpu", gen).requires_grad_()
     dxp = torch.randn(M, D, generator=gen).to(torch.bfloat16)
-    xp16, dt, st = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
+    xp16, dt, st = tokens._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
     same(xp16, Q.qdq_dual(old_permute(x2.detach(), slot_rows, M, top_k))[0], f"autograd forward top_k={top_k}")
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(old_permute(x2, slot_rows, M, top_k), x2, dxp)
@@ -208,7 +210,7 @@ m = MoE(64, 96, 6, 2)
 x = torch.randn(45, 64).to(torch.bfloat16)
 
 def fused_permute(x2, r):
-    xp16, dt, st = ops._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule, resolve(x2.device))
+    xp16, dt, st = tokens._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule, resolve(x2.device))
     return xp16, r.offs, Q.columnwise_mxtensor(dt, st, m.recipe.scale_rule), r
 
 from test_qdq_kernels import _layer_step
@@ -230,6 +232,7 @@ EXPANSION_CHECK = r"""
 # The expert linear layer's expansion-route branches (the QDQ kernels feeding torch._grouped_mm),
 # forced on the CPU: requantize_weights gives the same bits, and both agree with the reference path.
 from mxmoe import ops
+from mxmoe.ops import activation, linear, tokens  # noqa: F401
 from mxmoe.kernels import dispatch
 from mxmoe.recipes import get_recipe
 
@@ -240,14 +243,14 @@ x0 = torch.randn(96, K, generator=gen).to(torch.bfloat16)
 w0 = (torch.randn(E, N, K, generator=gen) * torch.exp2(torch.randint(-6, 7, (E, N, 1), generator=gen).float())
       * torch.exp2(torch.randint(-6, 7, (E, 1, K), generator=gen).float()))
 dy = torch.randn(96, N, generator=gen).to(torch.bfloat16)
-reference_route = ops._expansion
+reference_route = linear._expansion
 
 def run(recipe, expansion):
-    ops._expansion = (lambda x, w, r, be: dispatch) if expansion else reference_route
+    linear._expansion = (lambda x, w, r, be: dispatch) if expansion else reference_route
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     y = ops.grouped_linear(x, w, offs, recipe)
     y.backward(dy)
-    ops._expansion = reference_route
+    linear._expansion = reference_route
     return [y.detach(), x.grad, w.grad]
 
 def rel(a, b):
@@ -427,15 +430,17 @@ def test_gpu_layer_qdq_route_equals_old_composition(recipe, rows, monkeypatch):
 
     from mxmoe import ops
 
+    from mxmoe.ops import activation, linear, tokens  # noqa: F401
+
     monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
     sizes = [0, 96, 0, 160, 32, 128, 0]
     offs = torch.tensor(sizes).cumsum(0).to(torch.int32).cuda()
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(rows, 256, generator=g)).to(torch.bfloat16).cuda()
     w = (torch.randn(len(sizes), 192, 256, generator=g) / 16).cuda()
-    assert ops._expansion(x, w, mxmoe_recipe(recipe), resolve(x.device)) is not None
+    assert linear._expansion(x, w, mxmoe_recipe(recipe), resolve(x.device)) is not None
     new = _layer_run(x, w, offs, recipe)
-    monkeypatch.setattr(ops, "_expansion", lambda *a: None)
+    monkeypatch.setattr(linear, "_expansion", lambda *a: None)
     old = _layer_run(x, w, offs, recipe)
     for a, b, what in zip(new, old, ("y", "dx", "dw")):
         _same_bf16(a, b, f"{recipe} {what}")
@@ -454,6 +459,7 @@ def test_gpu_layer_qdq_route_prequantized_input_and_reference(monkeypatch):
 
     import mxmoe
     from mxmoe import ops
+    from mxmoe.ops import activation, linear, tokens  # noqa: F401
 
     monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
     sizes = [64, 0, 192]
@@ -464,7 +470,7 @@ def test_gpu_layer_qdq_route_prequantized_input_and_reference(monkeypatch):
     xq = mxmoe.quantize(x.cuda().to(torch.bfloat16))
     x16 = xq.dequantize(torch.bfloat16)
     new = _layer_run(x16, w.cuda(), offs.cuda(), "mxfp8", x_mx=xq)
-    monkeypatch.setattr(ops, "_expansion", lambda *a: None)
+    monkeypatch.setattr(linear, "_expansion", lambda *a: None)
     old = _layer_run(x16, w.cuda(), offs.cuda(), "mxfp8", x_mx=xq)
     for a, b, what in zip(new, old, ("y", "dx", "dw")):
         _same_bf16(a, b, f"x_mx {what}")
@@ -509,6 +515,7 @@ def test_gpu_moe_qdq_route_equals_old_composition(recipe, monkeypatch):
 
     import mxmoe
     from mxmoe import ops
+    from mxmoe.ops import activation, linear, tokens  # noqa: F401
 
     monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
     torch.manual_seed(0)
@@ -516,7 +523,7 @@ def test_gpu_moe_qdq_route_equals_old_composition(recipe, monkeypatch):
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
 
     new = _layer_step(m, x)
-    monkeypatch.setattr(ops, "_expansion", lambda *a: None)
+    monkeypatch.setattr(linear, "_expansion", lambda *a: None)
     old = _layer_step(m, x)
     for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
         _same_bf16(a, b, f"{recipe} {what}")
@@ -537,6 +544,8 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
     import torch
 
     from mxmoe import ops
+
+    from mxmoe.ops import activation, linear, tokens  # noqa: F401
     from mxmoe.kernels import quantize as Q
     from mxmoe.moe import permute_plan
 
@@ -555,7 +564,7 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
                     _same(a, b, f"permute_qdq {what} {dtype} {rule}")
     x2 = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).cuda().requires_grad_()
     dxp = torch.randn(M, dim, generator=g).to(torch.bfloat16).cuda()
-    xp16, _, _ = ops._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
+    xp16, _, _ = tokens._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(_old_permute(x2, slot_rows, M, top_k), x2, dxp)
     _same(got, want, "permute backward")

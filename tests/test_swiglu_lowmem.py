@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import mxmoe
 from mxmoe import formats, ops
+from mxmoe.ops import activation, linear, tokens  # noqa: F401
 from test_qdq_kernels import run_interpreted
 
 
@@ -84,6 +85,7 @@ LOWMEM_SCRIPT = r"""
 from mxmoe.backend import resolve
 import torch.nn.functional as F
 from mxmoe import formats, ops
+from mxmoe.ops import activation, linear, tokens  # noqa: F401
 from mxmoe.formats import MXTensor
 from mxmoe.kernels import layer as L
 # fused SwiGLU + QDQ with save_h: M not a multiple of the (128-row interpreter) tile, F = 32 and
@@ -117,8 +119,8 @@ da = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
 hm = formats.quantize(h.detach(), -1).dequantize(torch.bfloat16).requires_grad_()
 (want,) = torch.autograd.grad(F.silu(hm[:, :96]) * hm[:, 96:], hm, da)
 be = resolve(h.device)
-for fn in (lambda h: ops._SwiGLUQDQ.apply(h, "rceil", True, be)[0],
-           torch.compile(lambda h: ops._SwiGLUQDQ.apply(h, "rceil", True, be)[0], backend="aot_eager", fullgraph=True)):
+for fn in (lambda h: activation._SwiGLUQDQ.apply(h, "rceil", True, be)[0],
+           torch.compile(lambda h: activation._SwiGLUQDQ.apply(h, "rceil", True, be)[0], backend="aot_eager", fullgraph=True)):
     (dh,) = torch.autograd.grad(fn(h), h, da)
     assert torch.equal(dh, want)
 print("ok")

@@ -198,6 +198,15 @@ def layer_ops(be: Backend):
     return layer
 
 
+def layer_ops_for(t: torch.Tensor, be: Backend):
+    """The layer kernels (:mod:`mxmoe.kernels.layer`, :func:`layer_ops`)
+    for a CUDA BF16/FP16/FP32 tensor where ``be.layer_kernels`` is on, else None (the torch ops run).
+    ``MXMOE_LAYER_KERNELS=0`` turns them off (e.g. to time the layer with and without them in one run)."""
+    if not t.is_cuda or t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None  # (FP64 keeps the torch ops: the kernels sum in FP32)
+    return layer_ops(be)
+
+
 def expand_bf16(t):
     """The BF16 operand of the expansion route for an MXTensor quantized along one of its last two
     dims, in its logical shape (a transposed view when quantized along dim -2); plain tensors pass."""

@@ -1,0 +1,120 @@
+"""SwiGLU between the expert products, with its fused forms (quantization of its output for the
+next product, its input kept in MXFP8 for backward)."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from mxmoe.backend import Backend, resolve
+from mxmoe.formats import BLOCK, MXTensor
+from mxmoe.kernels.dispatch import layer_ops_for
+from mxmoe.ops.linear import fused_qdq
+from mxmoe.ops.quantization import quantize
+from mxmoe.ops.saved import pack, unpack
+from mxmoe.recipes import Recipe, get_recipe
+
+
+class _SwiGLUQDQ(torch.autograd.Function):
+    """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual QDQ (forward, one read of
+    h, a never written); backward: the torch SwiGLU gradient (the ops autograd runs for
+    ``F.silu(gate) * up``, so the same bits), from h alone (silu recomputed, not saved). With
+    ``save_h_fp8`` the same read also writes h as MXFP8 along 2F, which is what is kept (see
+    :func:`swiglu`)."""
+
+    @staticmethod
+    def forward(ctx, h, scale_rule: str, save_h_fp8: bool, be: Backend):
+        from mxmoe.kernels import dispatch
+
+        # a's columnwise storage [F, M], [F, M/32]; then h along 2F, or two empty tensors
+        a16, data_t, scale_t, qh, sh = dispatch.swiglu_qdq(h, scale_rule, save_h_fp8)
+        hs, ctx.h_meta = pack(MXTensor(qh, sh, 1, scale_rule) if save_h_fp8 else h)
+        ctx.save_for_backward(*hs)
+        ctx.be = be
+        ctx.mark_non_differentiable(data_t, scale_t)
+        return a16, data_t, scale_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da, *_):
+        return _swiglu_backward(da, unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None, None
+
+
+def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor", be: Backend) -> torch.Tensor:
+    """dh ``[M, 2F]`` of ``a = F.silu(gate) * up`` from ``da [M, F]``: torch's autograd arithmetic,
+    from one pass of the layer kernel on CUDA for bf16 (bit for bit the same). h may be an
+    MXTensor along its last dim: the gradient is then taken at its MX values in da's dtype (the
+    CUDA kernel expands them itself, for a 2D bf16 da and F % 32 == 0)."""
+    ops = layer_ops_for(da, be)
+    if isinstance(h, MXTensor):
+        if (ops is not None and da.dtype == torch.bfloat16 and da.dim() == 2 and h.axis == 1
+                and da.shape[1] % BLOCK == 0):
+            return ops.swiglu_backward(da, h.data, h.scale)
+        h = h.dequantize(da.dtype)
+    if ops is not None and h.dtype == da.dtype == torch.bfloat16:
+        return ops.swiglu_backward(da, h)
+    gate, up = h.split(h.shape[-1] // 2, dim=-1)
+    dgate = torch.ops.aten.silu_backward(da * up, gate)
+    return torch.cat([dgate, da * torch.nn.functional.silu(gate)], dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``a = F.silu(gate) * up`` of ``h [..., 2F]``: one kernel each way for 2D bf16 h on CUDA, the
+    torch ops elsewhere (the same bits); silu recomputed in backward. h is kept as is, or with
+    ``save_rule`` as MXFP8 along 2F (``quantize(h, -1, save_rule)``), SwiGLU's gradient then taken
+    at h's MX values (the ``swiglu_input_fp8`` recipes off the fused path: the same numbers)."""
+
+    @staticmethod
+    def forward(ctx, h, save_rule: str | None, be: Backend):
+        ops = layer_ops_for(h, be)
+        if ops is not None and h.dim() == 2 and h.dtype == torch.bfloat16:
+            a = ops.swiglu(h)
+        else:
+            gate, up = h.split(h.shape[-1] // 2, dim=-1)
+            a = torch.nn.functional.silu(gate) * up
+        hs, ctx.h_meta = pack(h if save_rule is None else quantize(h.detach(), -1, save_rule, backend=be))
+        ctx.save_for_backward(*hs)  # (saved tensors, not ctx attributes: freed after backward)
+        ctx.be = be
+        return a
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da):
+        return _swiglu_backward(da, unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None
+
+
+def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None, *,
+           backend: Backend | None = None):
+    """SwiGLU of ``h [M, 2F]`` (gate ``h[:, :F]``, up ``h[:, F:]``) feeding the expert product with ``w_next``.
+
+    Returns ``(a, a_wgrad)``. Where that product takes the Hopper expansion route (CUDA, bf16 h,
+    an MXFP8 recipe with MX wgrad, ``M % 32 == F % 32 == 0``) one fused kernel returns ``a`` as its
+    BF16 MX values along F (``qdq_rowwise(F.silu(gate) * up)`` bit for bit) and ``a_wgrad`` its FP8
+    copy along tokens: pass both to :func:`grouped_linear` (``x_wgrad=a_wgrad``). Elsewhere
+    ``(F.silu(gate) * up, None)``. Gradients flow to h either way.
+
+    Under a recipe with ``swiglu_input_fp8`` (and ``F % 32 == 0``) h is kept for backward as MXFP8
+    along 2F, not BF16 (on the fused path written by the same kernel, from the same read of h), and
+    the SwiGLU gradient is taken at h's MX values: an approximation of the exact gradient. h is
+    rounded to E4M3 at its 32-element block's scale (relative error <= 2^-4 inside E4M3's normal
+    range, coarser for elements far below their block's maximum, which may flush to zero); the
+    gradient's per-element error is not bounded (silu's derivative crosses zero), and a NaN/Inf in
+    h makes its whole block (and the matching block of the other half) non-finite in dh. Only where
+    a backward can follow (h requires grad, grad mode on); otherwise nothing extra is quantized.
+    """
+    recipe = get_recipe(recipe)
+    if h.dim() < 1 or h.shape[-1] % 2:
+        raise ValueError(f"swiglu expects h [..., 2F] (gate and up halves), got shape {tuple(h.shape)}")
+    f = h.shape[-1] // 2
+    # (only when a backward will need h: no extra quantization under no_grad / for inference)
+    save_fp8 = recipe.swiglu_input_fp8 and f % BLOCK == 0 and h.requires_grad and torch.is_grad_enabled()
+    be = backend or resolve(h.device)
+    if fused_qdq(h, h.shape[0], f, recipe, w_next, be):
+        from mxmoe.kernels.quantize import columnwise_mxtensor
+
+        a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule, save_fp8, be)
+        return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
+    if save_fp8 or (h.dim() == 2 and h.dtype == torch.bfloat16 and layer_ops_for(h, be) is not None):
+        return _SwiGLU.apply(h, recipe.scale_rule if save_fp8 else None, be), None
+    gate, up = h.split(f, dim=-1)
+    return torch.nn.functional.silu(gate) * up, None

@@ -1,0 +1,126 @@
+"""Grouped matrix products with the ``torch._grouped_mm`` contract, plain or MX operands; the
+per-group reference product (:func:`reference_grouped_mm`) is the twin of every fast route."""
+
+from __future__ import annotations
+
+import torch
+
+from mxmoe.backend import Backend, resolve
+from mxmoe.formats import MXTensor
+from mxmoe.layouts import check_offsets
+
+
+Operand = "torch.Tensor | MXTensor"
+
+
+def is_mx(t) -> bool:
+    return isinstance(t, MXTensor)
+
+
+def reference_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype) -> torch.Tensor:
+    """Plain per-group products, FP32 (or FP64) accumulate; rows/groups outside offs are zero."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:  # [M,K] x [E,K,N] -> [M,N]
+        out = torch.zeros(a.shape[0], b.shape[2], dtype=out_dtype, device=a.device)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            if t > s:
+                out[s:t] = (a[s:t] @ b[e]).to(out_dtype)
+    else:  # [N,T] x [T,K] -> [E,N,K]
+        out = torch.zeros(len(ends), a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            if t > s:
+                out[e] = (a[:, s:t] @ b[s:t]).to(out_dtype)
+    if not any(t > s for s, t in zip(starts, ends)):  # no rows: keep a and b in the graph (zero gradients)
+        out = out + (a.flatten()[:0].sum() + b.flatten()[:0].sum()).to(out_dtype)
+    return out
+
+
+def _check_grouped_operands(a, b, offs) -> None:
+    if is_mx(a) != is_mx(b):
+        raise TypeError("grouped_mm: both operands must be MXTensors or both plain tensors")
+    if a.dim() != 2 or b.dim() not in (2, 3):
+        raise ValueError(f"grouped_mm supports 2D x 3D (fprop/dgrad) and 2D x 2D (wgrad); got {a.dim()}D x {b.dim()}D")
+    if is_mx(a):
+        if a.axis != 1 or b.axis != b.dim() - 2:
+            raise ValueError(
+                f"grouped_mm: MX operands must be quantized along the contraction dim "
+                f"(a along dim 1, b along dim {b.dim() - 2}); got a.axis={a.axis}, b.axis={b.axis}")
+    else:
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise TypeError(f"grouped_mm expects floating tensors, got {a.dtype} and {b.dtype}")
+        if a.dtype != b.dtype:
+            raise TypeError(f"grouped_mm: operand dtypes differ ({a.dtype} vs {b.dtype})")
+    k_a, k_b = a.shape[1], b.shape[-2]
+    if k_a != k_b:
+        raise ValueError(f"grouped_mm: contraction sizes differ: a {tuple(a.shape)} vs b {tuple(b.shape)}")
+    if b.dim() == 3:
+        check_offsets(offs, b.shape[0], a.shape[0], "rows")
+    else:
+        check_offsets(offs, None, a.shape[1], "contraction elements")
+        group = max(a.block[1], b.block[1]) if is_mx(a) else 1
+        if is_mx(a) and bool((offs % group != 0).any()):  # a scale group would mix two experts
+            raise ValueError(f"grouped_mm: MX operands contracted per group (wgrad) need every group to end on a "
+                             f"multiple of {group} (their scale group), got offs {offs.tolist()}")
+
+
+def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtype | None = None,
+               _validate: bool = True, *, backend: Backend | None = None) -> torch.Tensor:
+    """Grouped matrix product with the contract of ``torch._grouped_mm``.
+
+    Forms:
+        * 2D x 3D (fprop, dgrad): ``a [M, K]``, ``b [E, K, N]``, ``offs`` int32 ``[E]`` cumulative
+          end rows of ``a``; returns ``[M, N]`` with rows of group ``e`` multiplied by ``b[e]``.
+          Rows past ``offs[-1]`` are unspecified (the reference writes zeros there).
+        * 2D x 2D (wgrad): ``a [N, T]``, ``b [T, K]``, ``offs`` int32 ``[E]`` cumulative end along
+          T; returns ``[E, N, K]``, ``out[e] = a[:, group e] @ b[group e]``; empty groups give zero.
+          MX operands' groups end on multiples of their scale group along T (32, or 128 for 1x128).
+
+    Operands are both plain float tensors (bf16/fp16/fp32) or both :class:`MXTensor` quantized
+    along the contraction dim (``a.axis == 1``; ``b.axis`` = its K dim). MX products equal the
+    FP64 product of the dequantized operands up to FP32 summation order.
+
+    Args:
+        out_dtype: result dtype; default ``a.dtype`` for plain tensors, ``bfloat16`` for MX.
+        backend: the route of MX products (:func:`mxmoe.backend.resolve` of the device by default).
+    Raises:
+        TypeError: mixed operand kinds, non-float dtypes, mismatched dtypes, offs not int32.
+        TypeError: also a non-float ``out_dtype``.
+        ValueError: wrong ranks, contraction mismatch, wrong quantized axis, offsets not
+            non-decreasing, past the tensor, or a group count different from ``b.shape[0]``; 2D x 2D MX
+            operands with a group not ending on a multiple of their scale group (32 or 128).
+    """
+    if _validate:
+        _check_grouped_operands(a, b, offs)
+        if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+            raise TypeError(f"grouped_mm: out_dtype must be a floating dtype, got {out_dtype}")
+    if is_mx(a):
+        out_dtype = out_dtype or torch.bfloat16
+        if a.device.type == "cuda":
+            from mxmoe.kernels import dispatch
+
+            out = dispatch.mx_grouped_mm_cuda(a, b, offs, out_dtype, backend or resolve(a.device),
+                                              trusted=not _validate)
+            if out is not None:
+                return out
+        acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+        return reference_grouped_mm(a.dequantize(acc), b.dequantize(acc), offs, out_dtype)
+    out_dtype = out_dtype or a.dtype
+    if (a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and offs.numel() > 0 and _aligned_16b(a)
+            and _aligned_16b(b)):  # (no groups: the reference's zeros; torch._grouped_mm leaves memory unset)
+        return torch._grouped_mm(a, b, offs, out_dtype=out_dtype)
+    return reference_grouped_mm(a, b, offs, out_dtype)
+
+
+def _aligned_16b(t: torch.Tensor) -> bool:
+    """torch._grouped_mm needs one unit-stride dim, other strides and the base on 16 bytes.
+
+    Under torch.compile the base address cannot be traced (data_ptr / storage_offset break the
+    graph), so only the strides are checked there: a view starting off a 16-byte boundary is then
+    not routed to the reference product (the layer's own operands are fresh casts or views at
+    multiples of 16 bytes)."""
+    size = t.element_size()
+    strides_ok = 1 in t.stride()[-2:] and all((s * size) % 16 == 0 for s in t.stride() if s != 1)
+    if torch.compiler.is_compiling():
+        return strides_ok
+    return strides_ok and t.data_ptr() % 16 == 0

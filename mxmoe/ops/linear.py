@@ -1,0 +1,305 @@
+"""The expert linear layer ``y = x W_e^T`` per expert group and its three products: fprop
+(contraction K), dgrad (N), wgrad (tokens), each operand quantized along its product's contraction dim
+under an MXFP8 recipe (DESIGN §4)."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from mxmoe.backend import Backend, resolve
+from mxmoe.formats import BLOCK, MXTensor
+from mxmoe.kernels.dispatch import layer_ops_for
+from mxmoe.layouts import check_offsets
+from mxmoe.ops.grouped import grouped_mm, is_mx
+from mxmoe.ops.quantization import quantize, quantize_dual, quantize_weight, quantize_weight_both
+from mxmoe.ops.saved import pack, unpack
+from mxmoe.recipes import Recipe, get_recipe
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x.shape[0]) % multiple
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def _expansion(x: torch.Tensor, w: torch.Tensor, recipe: Recipe, be: Backend):
+    """The dispatch module where the layer's products take the Hopper expansion route, else None.
+
+    On that route every MX operand is multiplied as its BF16 value (exact), so the quantize-
+    dequantize (QDQ) kernels write those values straight from the source, one read, where
+    quantize + expand would write FP8 and read it back; FP8 is written only for what is kept for
+    backward.
+    """
+    if not x.is_cuda:
+        return None
+    from mxmoe.kernels import dispatch
+
+    return dispatch if dispatch.expansion_route(recipe, x, w, be) else None
+
+
+def _product(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Backend) -> torch.Tensor:
+    """MX grouped product of two MXTensors (any route), or on the expansion route of operands of
+    which at least one is already its BF16 value: the other is expanded, and the product is
+    computed exactly as :func:`mxmoe.kernels.dispatch.mx_grouped_mm_cuda` does on that route."""
+    if is_mx(a) and is_mx(b):
+        return grouped_mm(a, b, offs, out_dtype=out_dtype, _validate=False, backend=be)
+    from mxmoe.kernels import dispatch
+
+    return dispatch.bf16_grouped_mm(a, b, offs, out_dtype, be)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN matching NaN (synchronizes with the GPU)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
+    """grouped_linear's ``x_mx`` / ``x_wgrad`` contract (see there); raises TypeError / ValueError."""
+    for name, t in (("x_mx", x_mx), ("x_wgrad", x_wgrad)):
+        if t is None:
+            continue
+        if not is_mx(t):
+            raise TypeError(f"{name} must be an MXTensor, got {type(t).__name__}")
+        if not recipe.mxfp8:
+            raise ValueError(f"{name} is for MXFP8 recipes; the {recipe.name} recipe does not quantize")
+        if t.shape != x.shape or t.block != (1, recipe.act_block) or t.scale_rule != recipe.scale_rule:
+            raise ValueError(f"{name} must be x {tuple(x.shape)} in 1x{recipe.act_block} blocks with the recipe's "
+                             f"{recipe.scale_rule!r} rule, got {t!r}")
+    if x_mx is not None and x_mx.axis != 1:
+        raise ValueError(f"x_mx must be x quantized along K (axis 1), got axis {x_mx.axis}")
+    if x_mx is not None:
+        if not _same_values(x_mx.dequantize(x.dtype), x):
+            raise ValueError("x_mx must be x quantized along K, with x its dequantized value; they differ")
+    if x_wgrad is not None:
+        if x_wgrad.axis != 0 or x_mx is not None or not recipe.wgrad_mxfp8:
+            raise ValueError(f"x_wgrad must be x quantized along tokens (axis 0), without x_mx, under a recipe "
+                             f"with MX wgrad; got axis {x_wgrad.axis} under {recipe.name}")
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"with x_wgrad, x must be bfloat16 (its own BF16 MX values), got {x.dtype}")
+        xq = quantize(x.detach(), -1, recipe.scale_rule, recipe.act_block).dequantize(torch.float32).to(x.dtype)
+        if not _same_values(xq, x):
+            raise ValueError("with x_wgrad, x must hold its own MX values along K (e.g. from ops.swiglu or "
+                             "ops.permute_tokens); quantizing x changes it")
+        # x_wgrad comes from the tensor x was rounded from (not from x), so only closeness can be
+        # checked: two MX roundings stay within a few % (Frobenius); another tensor does not
+        xd = x.detach()
+        fin = torch.isfinite(xd)
+        diff = torch.where(fin, x_wgrad.dequantize(x.dtype) - xd, 0).nan_to_num(0.0, 0.0, 0.0)
+        far = torch.linalg.vector_norm(diff, dtype=torch.float32) > \
+            0.25 * torch.linalg.vector_norm(torch.where(fin, xd, 0), dtype=torch.float32) + 1e-30
+        if bool(far):
+            raise ValueError("x_wgrad must be x's tensor quantized along tokens (axis 0); it is far from x")
+
+
+def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool, be: Backend):
+    """dgrad's weight operand ``[E, N, K]`` quantized along N, from the parameter: its BF16 values on
+    the Hopper expansion route (1x32: a transposed view; 32x32: the tile values, row-major), else an
+    MXTensor."""
+    if expansion:
+        from mxmoe.kernels import dispatch
+
+        if recipe.weight_block == BLOCK:  # 32x32 tiles: the values along K are those along N
+            return dispatch.qdq_rowwise(w.detach(), recipe.scale_rule, True)
+        return dispatch.qdq_columnwise(w.detach(), recipe.scale_rule).mT
+    return quantize_weight(w, recipe, -2, be)
+
+
+class _MXGroupedLinear(torch.autograd.Function):
+    """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights
+    (or, for 1x32 weights off the expansion route or under ``requantize_weights``, the parameter
+    itself, requantized along N).
+
+    On the Hopper expansion route (:func:`_expansion`) operands are BF16 MX values from the QDQ
+    kernels, bit-identical to expanding the quantized operands; what is saved stays FP8.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend):
+        rule, g = recipe.scale_rule, recipe.act_block
+        exp = _expansion(x, w, recipe, be)
+        x_saved = None
+        if x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
+            xq = x.detach() if exp else quantize(x, -1, rule, g, backend=be)  # requantizing MX values: lossless
+            x_saved = x_wgrad
+        elif x_mx is not None:
+            xq = x_mx
+        elif recipe.wgrad_mxfp8 and x.shape[0] % g == 0:  # fprop (along K) + wgrad (along tokens) operands
+            xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule, g, be)
+        else:
+            xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, -1, rule, g, backend=be)
+        tile32 = recipe.weight_block == BLOCK
+        if exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
+            wq, w_dgrad = exp.qdq_rowwise(w.detach(), rule, tile32), None
+        elif exp is not None:
+            # Weights along K as BF16 values (fprop) + FP8 along N kept for dgrad (for 32x32 tiles the
+            # same values; the transposed copy keeps dgrad's operand layout). Bytes per weight element
+            # (estimate; fp32 parameters): saving FP8 moves 1 (extra write) + 1 + 2 (expansion in
+            # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
+            # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
+            wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
+        elif recipe.weight_block > 1 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
+            wq, w_dgrad = quantize_weight_both(w, recipe, be)
+        else:
+            wq, w_dgrad = quantize_weight(w, recipe, -1, be), None  # [E, N, K] along K
+        y = _product(xq, wq.mT, offs, x.dtype, be)
+        # backward operands, quantized now so FP8 (not BF16) is what is kept
+        if x_saved is None:
+            x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g, backend=be) if recipe.wgrad_mxfp8
+                       else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
+        ctx.recipe, ctx.expansion, ctx.be = recipe, exp is not None, be
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
+        # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
+        xs, ctx.x_meta = pack(x_saved)
+        ws, ctx.w_meta = pack(w_dgrad)
+        ctx.n_x = len(xs)
+        ctx.save_for_backward(offs, w if w_dgrad is None else None, *xs, *ws)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        recipe, rule, g, be = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block, ctx.be
+        offs, w, *rest = ctx.saved_tensors
+        x_saved, w_dgrad = unpack(rest[:ctx.n_x], ctx.x_meta), unpack(rest[ctx.n_x:], ctx.w_meta)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = dw = None
+        dyq = dyq_t = None  # dy along N (dgrad), along tokens as [N, M] (wgrad)
+        if ctx.expansion:
+            from mxmoe.kernels import dispatch
+
+            if need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
+                dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
+            elif need_dx:
+                dyq = dispatch.qdq_rowwise(dy, rule)
+        elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % g == 0:
+            dyq, dyq_t = quantize_dual(dy, rule, g, be)  # FP8 along N (dgrad) and along tokens (wgrad): one read
+            dyq_t = dyq_t.mT
+        if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
+            if dyq is None:
+                dyq = quantize(dy, -1, rule, g, backend=be)
+            wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion, be)
+            dx = _product(dyq, wq_n, offs, ctx.x_dtype, be)
+            dyq = wq_n = None  # dgrad's operands freed before wgrad's are made (peak memory)
+        if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
+            if recipe.wgrad_mxfp8:
+                if dyq_t is None:
+                    dyq_t = quantize(_pad_rows(dy, g), 0, rule, g, backend=be).mT  # [N, M] along tokens
+                if ctx.expansion:  # torch._grouped_mm writes BF16: cast once its operands are freed (peak memory)
+                    dw = _product(dyq_t, x_saved, offs, torch.bfloat16, be)
+                    dyq_t = None
+                    dw = dispatch.bf16_to(dw, ctx.w_dtype, be)
+                else:
+                    dw = _product(dyq_t, x_saved, offs, torch.float32, be)
+            else:
+                dw = grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False, backend=be)
+            dw = dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
+                   validate: bool = True, x_mx: MXTensor | None = None,
+                   x_wgrad: MXTensor | None = None, *, backend: Backend | None = None) -> torch.Tensor:
+    """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
+
+    The three GEMMs (DESIGN §4): fprop contracts K (x and W quantized along K), dgrad contracts N
+    (dy along N, W along N), wgrad contracts tokens (dy and x along tokens); each operand is
+    quantized along its GEMM's contraction dim under an MXFP8 recipe.
+
+    Args:
+        x: ``[M, K]`` float activations, rows grouped by expert (group ends in ``offs``).
+        w: ``[E, N, K]`` float expert weights.
+        offs: int32 ``[E]`` cumulative end rows; under MXFP8 recipes with MX wgrad every group must
+            end on a multiple of 32 rows (wgrad's 32-token blocks must not mix experts). With
+            ``validate``, rows past ``offs[-1]`` give zero output and zero gradient; without it they
+            are the caller's business (mxmoe.MoE ends the last group at M).
+        recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_lowmem"`` (here: ``"mxfp8"`` with
+            the weights requantized in backward),
+            ``"mxfp8_bf16_wgrad"``, ``"fp32"``)
+            or a :class:`~mxmoe.recipes.Recipe`.
+        validate: check shapes and offsets (synchronizes with the GPU once).
+        x_mx: optional, ``x`` already quantized along K (e.g. tokens received in MXFP8 from an
+            expert-parallel dispatch; ``x`` is then its dequantized value, the autograd handle):
+            fprop uses it as is, with no second quantization.
+        x_wgrad: optional (MXFP8 recipes with MX wgrad): ``x`` is bfloat16 holding its own MX values
+            along K (exact, e.g. from :func:`swiglu` or :func:`permute_tokens`) and ``x_wgrad`` its
+            FP8 copy along tokens (``[M, K]``, axis 0, ``M % 32 == 0``): fprop uses ``x`` and wgrad
+            ``x_wgrad`` without quantizing again. ``validate`` checks that x is unchanged by
+            quantization (so every route computes the same product).
+        backend: the kernels (:func:`mxmoe.backend.resolve` of ``x.device`` by default); the backward
+            uses the forward's.
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+    Raises:
+        ValueError: shape mismatch, K or N not divisible by 32 under MXFP8, bad offsets, MX-wgrad
+            groups not on 32-row boundaries, ``x_mx`` / ``x_wgrad`` not matching x and the recipe.
+        TypeError: non-float inputs, ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
+
+    Under ``mxfp8_bf16_wgrad`` dW comes from a plain product in ``recipe.compute_dtype``: BF16
+    ``torch._grouped_mm`` by default, which writes BF16, so dW is rounded to BF16 as in the ``bf16``
+    recipe. First-order gradients only (no double backward).
+    """
+    recipe = get_recipe(recipe)
+    be = backend or resolve(x.device)
+    if validate:
+        if x.dim() != 2 or w.dim() != 3:
+            raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+        if not (x.is_floating_point() and w.is_floating_point()):
+            raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
+        if x.shape[1] != w.shape[2]:
+            raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
+        sg = recipe.scale_groups
+        if recipe.mxfp8 and (w.shape[1] % sg or w.shape[2] % sg):
+            raise ValueError(f"the {recipe.name} recipe needs N and K divisible by {sg} (its MX scale groups), "
+                             f"got w of shape {tuple(w.shape)}")
+        check_offsets(offs, w.shape[0], x.shape[0])
+        g = recipe.act_block
+        if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % g != 0).any()):
+            raise ValueError(
+                f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {g}: every "
+                f"expert group must end on a multiple of {g} rows (pad the groups, as mxmoe.MoE does), "
+                f"got offs {offs.tolist()}")
+        _check_prequantized(x, x_mx, x_wgrad, recipe)
+        if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd
+            return x.new_zeros(0, w.shape[1]) + (x.sum() + w.sum()).to(x.dtype) * 0
+        end = int(offs[-1]) if offs.numel() else 0
+        if end < x.shape[0]:  # rows outside every group: zero in, zero out, zero gradient (no garbage)
+            keep = (torch.arange(x.shape[0], device=x.device) < end).unsqueeze(1)
+            x = torch.where(keep, x, 0)
+            return torch.where(keep, grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx,
+                                                    x_wgrad=x_wgrad, backend=be), 0)
+    if recipe.mxfp8:
+        return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx, x_wgrad, be)
+    dt = getattr(torch, recipe.compute_dtype)
+    if dt == torch.bfloat16 and w.dtype == torch.float32 and layer_ops_for(w, be) is not None:
+        w16 = _ToBF16.apply(w, be)  # the same cast, its backward through the layer's cast kernel
+    else:
+        w16 = w.to(dt)
+    y = grouped_mm(x.to(dt), w16.mT, offs, _validate=False, backend=be)
+    return y.to(x.dtype)
+
+
+class _ToBF16(torch.autograd.Function):
+    """``w.to(torch.bfloat16)`` of an FP32 CUDA tensor whose backward casts the BF16 gradient to
+    FP32 with the layer's cast kernel, not torch's dtype-converting copy (that copy was 8-21% of the
+    bf16 layer's step on an H200, benchmarks/NOTES_moe_layer.md). Same values."""
+
+    @staticmethod
+    def forward(ctx, w, be: Backend):
+        ctx.ops = layer_ops_for(w, be)
+        return w.to(torch.bfloat16)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return (ctx.ops.to_float32(g) if ctx.ops is not None else g.float()), None
+
+
+def fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: torch.Tensor | None,
+               be: Backend) -> bool:
+    """Whether a fused kernel may hand the product with ``w_next`` its ``[rows, cols]`` operand
+    directly as BF16 MX values plus the FP8 copy along rows (``x_wgrad``): that product runs on the
+    Hopper expansion route under an MXFP8 recipe with MX wgrad, x is 2D bfloat16, and both sizes
+    are multiples of 32."""
+    return (w_next is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and recipe.mxfp8
+            and recipe.wgrad_mxfp8 and rows % BLOCK == 0 and cols % BLOCK == 0
+            and _expansion(x, w_next, recipe, be) is not None)

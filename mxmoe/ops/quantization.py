@@ -1,0 +1,75 @@
+"""Quantization front end: MXFP8 copies of activations and expert weights on the kernels the
+backend names (bit-identical to :mod:`mxmoe.formats`, the pure-torch twin, which runs elsewhere)."""
+
+from __future__ import annotations
+
+import torch
+
+from mxmoe import formats
+from mxmoe.backend import Backend, resolve
+from mxmoe.formats import BLOCK, MXTensor
+from mxmoe.recipes import Recipe
+
+
+def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=BLOCK, *,
+             backend: Backend | None = None) -> MXTensor:
+    """Quantize ``x`` to MXFP8 along ``axis``; same contract as :func:`mxmoe.formats.quantize`.
+
+    On CUDA the Triton kernels of :mod:`mxmoe.kernels.quantize` are used where they cover the
+    case (bit-identical to the reference); everywhere else the pure-torch reference runs.
+
+    Args:
+        x: float16/bfloat16/float32/float64 tensor with ``x.shape[axis] % 32 == 0``.
+        axis: quantized (contraction) axis.
+        scale_rule: ``"rceil"`` (default) or ``"floor"``.
+        block: the scale group, one of :data:`mxmoe.formats.BLOCKS`: ``32`` (1x32), ``128`` (1x128),
+            ``(32, 32)`` or ``(128, 128)`` (one scale per square tile of the last two dims).
+        backend: the kernels to use (:func:`mxmoe.backend.resolve` of ``x.device`` by default).
+    Returns:
+        :class:`~mxmoe.formats.MXTensor` (E4M3 data, row-major E8M0 scales).
+    Raises:
+        TypeError, ValueError: as :func:`mxmoe.formats.quantize`.
+    """
+    if isinstance(x, torch.Tensor) and x.is_cuda:
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_cuda(x, axis, scale_rule, block, backend or resolve(x.device))
+        if out is not None:
+            return out
+    return formats.quantize(x, axis, scale_rule, block)
+
+
+def weight_block(recipe: Recipe) -> tuple[int, int]:
+    """The scale group of a recipe's expert weights: ``(1, 32)``, ``(32, 32)`` or ``(128, 128)``."""
+    return (recipe.weight_block, recipe.weight_block) if recipe.weight_block > 1 else (1, BLOCK)
+
+
+def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int, be: Backend | None = None) -> MXTensor:
+    """Expert weights ``[E, N, K]`` quantized along ``axis`` (-1: K for fprop, -2: N for dgrad)."""
+    return quantize(w, axis, recipe.scale_rule, weight_block(recipe), backend=be)
+
+
+def quantize_dual(x: torch.Tensor, scale_rule: str = "rceil", group: int = BLOCK,
+                  be: Backend | None = None) -> tuple[MXTensor, MXTensor]:
+    """``x [M, K]`` quantized along K and along M in 1 x ``group`` blocks (``M % group == 0``): one read
+    on CUDA."""
+    if x.is_cuda:
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_dual_cuda(x, scale_rule, group, be or resolve(x.device))
+        if out is not None:
+            return out
+    return quantize(x, -1, scale_rule, group, backend=be), quantize(x, 0, scale_rule, group, backend=be)
+
+
+def quantize_weight_both(w: torch.Tensor, recipe: Recipe, be: Backend | None = None) -> tuple[MXTensor, MXTensor]:
+    """Square-tile weights ``[E, N, K]`` (32x32 or 128x128) along K (fprop) and along N (dgrad): one
+    quantization."""
+    if w.is_cuda:
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule, recipe.weight_block, be or resolve(w.device))
+        if out is not None:
+            return out
+    wq = quantize_weight(w, recipe, -1, be)
+    return wq, wq.requantize_free_swap()
