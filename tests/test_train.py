@@ -190,7 +190,7 @@ def test_config_checks(monkeypatch):
     (["--compile", "cudagraphs", "--device", "cpu"], "needs --device cuda"),
     (["--lr", "-1"], "need lr > 0 (got -1.0)"),
     (["--min-lr-frac", "2"], "0 <= min_lr_frac <= 1 (2.0)"),
-    (["--dim", "96", "--ffn-dim", "72", "--recipes", "bf16,mxfp8"], "the mxfp8 recipe needs dim and ffn_dim divisible by 32 (MXFP8 blocks), got 96 and 72"),
+    (["--dim", "96", "--ffn-dim", "72", "--recipes", "bf16,mxfp8"], "the mxfp8 recipe needs dim and ffn_dim divisible by 32 (MXFP8 scale groups), got 96 and 72"),
     (["--dim", "100", "--heads", "4", "--recipes", "fp32,bf16"], "the bf16 recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), got 100 and"),
 ])
 def test_cli_rejects_bad_flags_before_training(flags, msg, capsys, tmp_path):

@@ -356,7 +356,9 @@ def mx_quantize_grouped_kernel(
         tl.store(bo_ptr + g, pad_end, mask=gmask)  # every program stores the same values, then reads them back
         tl.debug_barrier()
     else:
-        tl.store(bo_ptr + g, pad_end, mask=gmask & (pid == 0))
+        # program 0 alone: a block comparison, not gmask & (pid == 0), whose broadcast scalar Triton 3.9's
+        # interpreter turns into an int32 mask that its store rejects ('mask has unsupported dtype')
+        tl.store(bo_ptr + g, pad_end, mask=g < tl.where(pid == 0, n_groups, 0))
     n_k = tl.cdiv(tl.cdiv(K, 128) * 128, BK)
     total = n_row_tiles * n_k
     n_col_tiles = (K // 32 + 3) // 4
