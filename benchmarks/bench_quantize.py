@@ -154,6 +154,15 @@ def gluon_name(row: bool, x3: torch.Tensor) -> str:
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
     """What a case runs: the Gluon columnwise/dual kernel's tile, or the Triton kernel's TileConfig."""
     x3 = x if x.dim() == 3 else x[None]
+    if key is None:
+        return "default"
+    if key in ("fused128", "swiglu128_save_h"):  # permute_quantize_128 / swiglu_quantize_128
+        if not name.endswith("_triton") and Q._use_gluon(x3):
+            if name.startswith("permute"):
+                return gluon_name(True, x3)
+            g = Q._GLUON_TILES_SWIGLU[name.endswith("save_h")]
+            return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}"
+        return cfg_name(Q._config_128_fused(key == "swiglu128_save_h"))
     if key in ("col", "colrow", "colrow32", *GLUON_KEYS_128) and not name.endswith("_triton") and Q._use_gluon(x3):
         return gluon_name(key != "col", x3)
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
@@ -222,10 +231,19 @@ def cases(x: torch.Tensor, is_weight: bool):
 GLUON_KEYS_128 = ("col128", "colrow128", "colrow128x128")  # on sm_90 the Gluon kernel with GROUP 128
 
 
+def permutation_src(n: int, T: int, device) -> torch.Tensor:
+    """The first n rows of the --groups128 permutation of T tokens: row m reads token m * 7919 mod T (a prime
+    stride, so neighbouring rows come from far apart, as routed tokens do; a permutation for T a power of two
+    times a number coprime to 7919)."""
+    return (torch.arange(n, device=device, dtype=torch.int64) * 7919 % T).to(torch.int32)
+
+
 def cases128(x: torch.Tensor, is_weight: bool):
     """--groups128: (kernel name, key of Q._config_128 / _TUNED, fn) of the 1x128 / 128x128 kernels for one
     input, and the 1x32 kernels they replace (timed in the same run)."""
     if not is_weight:
+        # fused forms: x gathered by a permutation (top-1, so every byte of x is read once); x as h [M, 2F] of SwiGLU
+        src = permutation_src(x.shape[0], x.shape[0], x.device)
         return [
             ("rowwise_128", "row128", lambda: Q.quantize_rowwise_128(x)),
             ("rowwise", "row", lambda: Q.quantize_rowwise(x)),
@@ -233,6 +251,13 @@ def cases128(x: torch.Tensor, is_weight: bool):
             ("dual_128", "colrow128", lambda: Q.quantize_dual_128(x)),
             ("dual_128_triton", "colrow128", lambda: _triton_only(Q.quantize_dual_128, x)),
             ("dual", "colrow", lambda: Q.quantize_dual(x)),
+            ("permute_128", "fused128", lambda: Q.permute_quantize_128(x, src)),
+            ("permute_128_triton", "fused128", lambda: _triton_only(lambda t: Q.permute_quantize_128(t, src), x)),
+            ("permute_qdq", None, lambda: Q.permute_qdq(x, src)),
+            ("swiglu_128", "fused128", lambda: Q.swiglu_quantize_128(x)),
+            ("swiglu_128_save_h", "swiglu128_save_h", lambda: Q.swiglu_quantize_128(x, save_h=True)),
+            ("swiglu_128_triton", "fused128", lambda: _triton_only(Q.swiglu_quantize_128, x)),
+            ("swiglu_qdq", None, lambda: Q.swiglu_qdq(x)),
         ]
     return [
         ("weight_128x128_both", "colrow128x128", lambda: Q.quantize_128x128(x)),
@@ -244,11 +269,21 @@ def cases128(x: torch.Tensor, is_weight: bool):
 
 def check128(name: str, x: torch.Tensor, out) -> bool:
     """check() for the --groups128 kernels (first rows / experts, whole 128-groups); False: not one of them."""
+    if name in ("permute_qdq", "swiglu_qdq"):
+        return True  # the 1x32 fused kernels, for comparison: checked by tests/test_qdq_kernels.py
     if "128" not in name:
         return False
     sub = x[:2] if x.dim() == 3 else x[:256]
     n = sub.shape[0]
     want = []
+    if name.startswith("permute_128"):
+        sub = x[permutation_src(256, x.shape[0], x.device)]
+    if name.startswith("swiglu_128"):
+        F = x.shape[1] // 2
+        sub = torch.nn.functional.silu(sub[:, :F]) * sub[:, F:]
+        if name.endswith("save_h"):
+            hq = quantize(x[:256], axis=-1, block=128)
+            want = [(out[4][:n], hq.data), (out[5][:n], hq.scale)]
     if name.startswith("weight_128x128"):
         r = quantize(sub, axis=-1, block=(128, 128))
         want = [(out[0][:2], r.data), (out[1][:2], r.scale)]
@@ -256,12 +291,13 @@ def check128(name: str, x: torch.Tensor, out) -> bool:
             c = quantize(sub, axis=-2, block=(128, 128))
             want += [(out[2][:2], c.data.mT), (out[3][:2], c.scale.mT)]
     else:
-        if name.startswith(("rowwise", "dual")):
+        if name.startswith(("rowwise", "dual", "swiglu", "permute")):
             r = quantize(sub, axis=-1, block=128)
-            want = [(out[0][:n], r.data), (out[1][:n], r.scale)]
-        if name.startswith(("columnwise", "dual")):
+            want += [(out[0][:n], r.data), (out[1][:n], r.scale)]
+        if name.startswith(("columnwise", "dual", "swiglu", "permute")):
             c = quantize(sub, axis=-2, block=128)
-            want += [(out[-2][:, :n], c.data.mT), (out[-1][:, :n // 32], c.scale.mT)]
+            want += [(out[-2][:, :n], c.data.mT), (out[-1][:, :n // 32], c.scale.mT)] if name.startswith(
+                ("columnwise", "dual")) else [(out[2][:, :n], c.data.mT), (out[3][:, :n // 32], c.scale.mT)]
     if not want:
         raise AssertionError(f"check128(): no reference for {name}")
     for got, ref in want:
@@ -466,7 +502,7 @@ def main():
     global DEV, ACTS, WEIGHTS, CUDAGRAPH
     CUDAGRAPH = args.cudagraph
     if args.dry_run:
-        DEV, ACTS, WEIGHTS = "cpu", [(256, 384)], [(2, 128, 256)]
+        DEV, ACTS, WEIGHTS = "cpu", [(256, 512)], [(2, 128, 256)]
     import triton
 
     only = set(filter(None, args.kernels.split(",")))

@@ -208,8 +208,8 @@ def _case_swiglu_128(Q, dev, gen):
         h[5, :128] = 0  # a zero group of gate -> a zero group of a
         h[6, f:f + 32] = 1e-39
         h[:, 128:256][:128] = 0  # a zero 128x128 corner of gate: zero groups both ways
-        gate, up = h.split(f, -1)
-        a = F.silu(gate) * up
+        gate, up = h.to(dev).split(f, -1)
+        a = F.silu(gate) * up  # on the device: the kernel matches torch's math there (CUDA expf on the GPU)
         for rule in RULES:
             for save_h in (False, True):
                 out = Q.swiglu_quantize_128(h.to(dev), rule, save_h)
@@ -222,7 +222,7 @@ def _case_swiglu_128(Q, dev, gen):
                     assert out[4].numel() == out[5].numel() == 0
     wide = (wide_randn((128, 1024), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
     h = wide[:, 256:768]  # a column slice: row stride 1024
-    gate, up = h.split(256, -1)
+    gate, up = h.to(dev).split(256, -1)
     out = Q.swiglu_quantize_128(h.to(dev), "rceil", True)
     check_dual(Q, F.silu(gate) * up, "rceil", "row_major", "swiglu strided h", out=out[:4])
     same_bytes(out[4], ref(h, -1, "rceil").data, "swiglu strided h data")
@@ -301,6 +301,8 @@ def test_tile_configs_fit_the_groups():
         assert g["MB"] % 4 == 0, (fam, width)
         if fam == "dual":
             assert g["BK"] % 128 == 0, (fam, width)
+    for save_h, g in Q._GLUON_TILES_SWIGLU.items():  # the SwiGLU input mode: dual outputs, 128 groups
+        assert Q._gluon_tile_fits(**g) and g["MB"] % 4 == 0 and g["BK"] % 128 == 0, save_h
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,6 +341,20 @@ def test_gpu_real_shapes(dtype):
         check_128x128(Q, w, rule, "row_major", "weights")
         check_128x128(Q, w, rule, "sm90", "weights")
         check_128x128(Q, w, rule, "row_major", "weights rows only", transposed=False)
+        src = torch.randint(-1, 4096, (8192,), generator=gen).cuda()  # top-2 of 4096 tokens
+        xp = torch.where((src >= 0)[:, None], x[src.clamp(0)], 0)
+        check_dual(Q, xp, rule, "row_major", "permute", out=Q.permute_quantize_128(x, src, rule))
+    if dtype != torch.bfloat16:
+        return
+    import torch.nn.functional as F
+
+    h = (wide_randn((4096, 2 * 2048), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16).cuda()
+    a = F.silu(h[:, :2048]) * h[:, 2048:]
+    for rule in RULES:
+        out = Q.swiglu_quantize_128(h, rule, True)
+        check_dual(Q, a, rule, "row_major", "swiglu", out=out[:4])
+        same_bytes(out[4], ref(h, -1, rule).data, "swiglu h data")
+        same_bytes(out[5], ref(h, -1, rule).scale, "swiglu h scale")
 
 
 @pytest.mark.gpu
@@ -349,17 +365,30 @@ def test_gpu_gluon_equals_triton(monkeypatch):
     from mxmoe.kernels import quantize as Q
 
     gen = torch.Generator().manual_seed(9)
+    def both(fn, *args, tag):
+        monkeypatch.setenv("MXMOE_QUANT_GLUON", "1")
+        got = fn(*args)
+        monkeypatch.setenv("MXMOE_QUANT_GLUON", "0")
+        want = fn(*args)
+        assert len(got) == len(want), tag
+        for g, w_ in zip(got, want):
+            same_bytes(g, w_, f"{fn.__name__} {tag}: gluon vs triton")
+
     for shape, dt in (((384, 640), torch.bfloat16), ((2, 256, 384), torch.float16), ((640, 256), torch.float32)):
         x = special(wide_randn(shape, dt, "cpu", gen), -1, -2).cuda()
         for xin in (x, x[..., : shape[-1] // 2] if shape[-1] % 256 == 0 else x):
             for fn in (Q.quantize_columnwise_128, Q.quantize_dual_128, Q.quantize_128x128):
                 for rule in RULES:
-                    monkeypatch.setenv("MXMOE_QUANT_GLUON", "1")
-                    got = fn(xin, rule)
-                    monkeypatch.setenv("MXMOE_QUANT_GLUON", "0")
-                    want = fn(xin, rule)
-                    for g, w_ in zip(got, want):
-                        same_bytes(g, w_, f"{fn.__name__} {tuple(xin.shape)} {dt} {rule}: gluon vs triton")
+                    both(fn, xin, rule, tag=f"{tuple(xin.shape)} {dt} {rule}")
+        if x.dim() == 2:  # the fused input modes: gathered rows, SwiGLU (bf16)
+            src = torch.randint(-1, x.shape[0] + 2, (512,), generator=gen).cuda()
+            both(Q.permute_quantize_128, x, src, "rceil", tag=f"{dt}")
+            both(Q.permute_quantize_128, x[:, :128], src.int(), "floor", tag=f"{dt} column slice")
+    h = (special(wide_randn((384, 1024), torch.float32, "cpu", gen), -1) * 2.0**-6).to(torch.bfloat16).cuda()
+    for rule in RULES:
+        for save_h in (False, True):
+            both(Q.swiglu_quantize_128, h, rule, save_h, tag=f"{rule} save_h={save_h}")
+            both(Q.swiglu_quantize_128, h[:, 256:768], rule, save_h, tag=f"{rule} save_h={save_h} column slice")
 
 
 if __name__ == "__main__" and "--cases" in sys.argv:

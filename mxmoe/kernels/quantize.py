@@ -172,6 +172,16 @@ _GLUON_TILES = {
 }
 
 
+# Gluon tiles of the SwiGLU input mode (swiglu_quantize_128, 16-bit): two input tiles and the silu math per element
+# need more registers than dual's tile (8 warps: 205 registers, 255 + 12 bytes of spills with save_h, offline sm_90),
+# so 16 warps over the same 128x128 tile: 113 registers / 0 spills, with save_h WM 2 / TM 2 for 128 / 0 (the
+# WM 1 / TM 4 tile spilled 44 bytes there). Not yet timed.
+_GLUON_TILES_SWIGLU = {
+    False: dict(MB=4, BK=128, WM=1, WK=16, TM=4, RS=16),
+    True: dict(MB=4, BK=128, WM=2, WK=8, TM=2, RS=16),
+}
+
+
 def _use_gluon(x3: torch.Tensor) -> bool:
     """Whether the column-family kernels (quantize_columnwise / quantize_dual, qdq_dual / qdq_columnwise /
     qdq_dual_bf16 with 1x32 blocks) run the Gluon kernel on x3 [B, M, K]: CUDA sm_90 (the GPUs it was checked on),
@@ -231,19 +241,22 @@ def _gluon_tile(row: int, x3: torch.Tensor) -> dict:
 
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
-                  tile32: bool = False, group: int = 32):
+                  tile32: bool = False, group: int = 32, shape: tuple | None = None, fused: dict | None = None,
+                  tile: dict | None = None):
     """Run quantize_gluon.mx_quantize_cols_kernel on x3 [B, M, K] over [m_cover, k_cover]; row / col
     are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None); tile32: one
-    scale per 32x32 tile (group 128: 128x128); group: the scale group along each output's axis."""
-    B, M, K = x3.shape
-    g = _gluon_tile(row, x3)
+    scale per 32x32 tile (group 128: 128x128); group: the scale group along each output's axis.
+    shape: the tile grid's (B, M, K) where it is not x3's (the fused input modes); fused: the kernel's
+    IN_MODE arguments (src_ptr / T, or qh_ptr / sh_ptr / SAVE_H); tile: the tile, where not _gluon_tile's."""
+    B, M, K = x3.shape if shape is None else shape
+    g = _gluon_tile(row, x3) if tile is None else dict(tile)
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
     _gluon().mx_quantize_cols_kernel[(n_tiles,)](
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
         M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
         0 if sr is None else sr[0].numel(), rceil,
         ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, K_FAST=_gluon_k_fast(row, col),
-        num_warps=g["WM"] * g["WK"], **g, **({"GROUP": group} if group != 32 else {}))
+        num_warps=g["WM"] * g["WK"], **g, **({"GROUP": group} if group != 32 else {}), **(fused or {}))
 
 
 # Scale groups the Gluon kernel takes (128: 1x128 / 128x1 groups and 128x128 tiles, GROUP constexpr); other
@@ -799,7 +812,11 @@ def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, gr
     sc = torch.empty(F, M // BLOCK, dtype=torch.uint8, device=dev)
     qh = torch.empty((M, 2 * F) if save_h else (0,), dtype=torch.uint8, device=dev)
     sh = torch.empty((M, 2 * F // BLOCK) if save_h else (0,), dtype=torch.uint8, device=dev)
-    if M and F:
+    if M and F and fp8_rows and _use_gluon(h[None]) and F % _GLUON_TILES_SWIGLU[save_h]["BK"] == 0:
+        fused = dict(IN_MODE=2, SAVE_H=save_h, qh_ptr=qh if save_h else qc, sh_ptr=sh if save_h else sc)
+        _launch_gluon(h[None], qc, sc, rows, srow, M, F, _rule(scale_rule), row=1, col=1, layout=0, group=group,
+                      shape=(1, M, F), fused=fused, tile=_GLUON_TILES_SWIGLU[save_h])
+    elif M and F:
         BM, BK, num_warps, persistent = _config_swiglu(save_h) if group == BLOCK else _config_128_fused(save_h)
         total = triton_cdiv(M, BM) * triton_cdiv(F, BK)
         args = (h, rows, sc if srow is None else srow, qc, sc, qh if save_h else qc, sh if save_h else sc, M, F,
@@ -858,18 +875,21 @@ def _launch_permute(x: torch.Tensor, src: torch.Tensor, scale_rule, fp8_rows: bo
         raise TypeError(f"{name} expects src as an int32/int64 tensor, got {got}")
     if src.dim() != 1 or src.device != getattr(x, "device", None):
         raise ValueError(f"{name} expects src [M] on x's device, got shape {tuple(src.shape)} on {src.device}")
+    if src.numel() % group:
+        raise ValueError(f"{name}: the buffer's row count (M={src.numel()}) must be divisible by {group}")
     _check(x, name, need_k32=True, need_m32=False, group=group)
     if x.dim() != 2:
         raise ValueError(f"{name} expects x [T, K], got shape {tuple(x.shape)}")
     (T, K), M = x.shape, src.numel()
-    if M % group:
-        raise ValueError(f"{name}: the buffer's row count (M={M}) must be divisible by {group}")
     dev = x.device
     rows = torch.empty(M, K, dtype=torch.uint8 if fp8_rows else torch.bfloat16, device=dev)
     srow = torch.empty(M, K // BLOCK, dtype=torch.uint8, device=dev) if fp8_rows else None
     qc = torch.empty(K, M, dtype=torch.uint8, device=dev)
     sc = torch.empty(K, M // BLOCK, dtype=torch.uint8, device=dev)
-    if M and K:
+    if M and K and T and fp8_rows and _use_gluon(x[None]):
+        _launch_gluon(x[None], qc, sc, rows, srow, M, K, _rule(scale_rule), row=1, col=1, layout=0, group=group,
+                      shape=(1, M, K), fused=dict(IN_MODE=1, src_ptr=src.contiguous(), T=T))
+    elif M and K:
         BM, BK, num_warps, persistent = _config_qdq(True) if group == BLOCK else _config_128_fused(False)
         total = triton_cdiv(M, BM) * triton_cdiv(K, BK)
         if T == 0:  # no tokens: every row is zero; an empty CUDA tensor has no address triton accepts

@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 
 # The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
 from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _max4, _quantize_elems,
-                                           _store_scales, _tile_coords, _to_f32)
+                                           _silu_mul_bf16, _store_scales, _tile_coords, _to_f32)
 
 
 @gluon.jit
@@ -139,6 +139,7 @@ def mx_quantize_cols_kernel(
     ROW: gl.constexpr, COL: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
     WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr, K_FAST: gl.constexpr = False,
     RS: gl.constexpr = 32, GROUP: gl.constexpr = 32,
+    src_ptr=None, T=0, qh_ptr=None, sh_ptr=None, IN_MODE: gl.constexpr = 0, SAVE_H: gl.constexpr = False,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, K_FAST: k-tiles fastest; then b); WM*WK warps.
 
@@ -154,6 +155,10 @@ def mx_quantize_cols_kernel(
     GROUP 128 (DESIGN §9): one scale per 128 elements along each output's axis (1x128 rows, 128x1 columns,
     TILE32: 128x128 tiles), the max of 4 neighbouring 32-blocks, stored per 32 as above; needs MB % 4 == 0
     and, with ROW, BK % 128 == 0.
+    IN_MODE (B == 1) fuses the producer of the tile: 1, the rows gathered from x [T, K] by src [M] (int32/int64;
+    outside [0, T): a zero row), i.e. the outputs of x[src]; 2, SwiGLU: x is h [M, 2K] bf16 and the tile is
+    a = silu(h[:, :K]) * h[:, K:] (BF16 math as torch's, quantize_triton._silu_mul_bf16), with SAVE_H also h's
+    rows quantized (ROW mode 1, GROUP) into qh [M, 2K] + sh [M, 2K/32] row-major (K % BK == 0).
     """
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
@@ -168,7 +173,21 @@ def mx_quantize_cols_kernel(
 
     # load [MB, 32, BK] in L_IN (zeros past M, K: the padding of blocked scales)
     m, k = _tile_index(tm, tk, MB, BK, L_IN)
-    x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
+    if IN_MODE == 1:  # gathered rows x[src[m]]
+        row = gl.load(src_ptr + m, mask=m < M, other=-1).to(gl.int64)
+        x = gl.load(x_ptr + row * stride_xm + k, mask=(row >= 0) & (row < T) & (k < K), other=0.0)
+    elif IN_MODE == 2:  # SwiGLU: gate = h[:, :K], up = h[:, K:]
+        hp = x_ptr + m.to(gl.int64) * stride_xm + k
+        gate = gl.load(hp, mask=(m < M) & (k < K), other=0.0)
+        up = gl.load(hp + K, mask=(m < M) & (k < K), other=0.0)
+        x = _silu_mul_bf16(gate, up, False)
+        if SAVE_H:
+            _rowwise(gate, m, k, tm, tk, b, qh_ptr, sh_ptr, M, 2 * K, 0, rceil, 1, 0, MB, BK, WM, WK, L_IN, False,
+                     GROUP)
+            _rowwise(up, m, k, tm, tk, b, qh_ptr + K, sh_ptr + K // 32, M, 2 * K, 0, rceil, 1, 0, MB, BK, WM, WK,
+                     L_IN, False, GROUP)
+    else:
+        x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
 
     if ROW != 0:
         _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
