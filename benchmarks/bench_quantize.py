@@ -21,6 +21,12 @@ thread). ``--ceiling`` times the data movement of the transposing kernels withou
 kernel that stores each BF16 element's high byte transposed (``ceiling_columnwise``), or transposed
 and in place (``ceiling_dual``), best of a few tiles, and torch's transposing cast to E4M3
 (``torch_transpose_cast``): what a kernel of this tile design can reach at best.
+``--groups128`` times the kernels of the Hopper-fast recipe instead (DESIGN §9, 1x128 / 128x1 groups and
+128x128 tiles, ``*_128`` rows; default output ``quantize_128.json``), beside the 1x32 kernels they replace
+(rowwise, dual, 32x32 weights) and the same device copy; with ``--sweep`` the Gluon tiles that hold whole
+groups and a few Triton tiles of the row kernels.
+
+    PYTHONPATH=. python3 benchmarks/bench_quantize.py --groups128 [--sweep] [--cudagraph]
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ SWEEP = {  # _TUNED key -> candidate TileConfigs of mx_quantize_kernel
     "colrow": _COLS,
     "colrow32": _COLS,
     "grouped": [T(32, 256, 4, P), T(32, 512, 8, P), T(32, 256, 4, NP)],
+    # --groups128: BK % 128 == 0 (1x128 groups), BM % 128 == 0 for 128x128 tiles
+    "row128": [T(32, 256, 4, P), T(32, 128, 4, NP), T(64, 256, 8, NP), T(32, 512, 8, NP), T(32, 512, 8, P)],
+    "row128x128": [T(128, 128, 8, NP), T(128, 128, 16, NP), T(128, 256, 16, NP)],
 }
 
 # Gluon column-family kernel (quantize._GLUON_TILES): (MB, BK, WM, WK, TM), see quantize_gluon.py
@@ -145,7 +154,16 @@ def gluon_name(row: bool, x3: torch.Tensor) -> str:
 def kernel_config(name: str, key, x: torch.Tensor) -> str:
     """What a case runs: the Gluon columnwise/dual kernel's tile, or the Triton kernel's TileConfig."""
     x3 = x if x.dim() == 3 else x[None]
-    if key in ("col", "colrow", "colrow32") and not name.endswith("_triton") and Q._use_gluon(x3):
+    if key is None:
+        return "default"
+    if key in ("fused128", "swiglu128_save_h"):  # permute_quantize_128 / swiglu_quantize_128
+        if not name.endswith("_triton") and Q._use_gluon(x3):
+            if name.startswith("permute"):
+                return gluon_name(True, x3)
+            g = Q._GLUON_TILES_SWIGLU[name.endswith("save_h")]
+            return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}"
+        return cfg_name(Q._config_128_fused(key == "swiglu128_save_h"))
+    if key in ("col", "colrow", "colrow32", *GLUON_KEYS_128) and not name.endswith("_triton") and Q._use_gluon(x3):
         return gluon_name(key != "col", x3)
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
 
@@ -210,8 +228,88 @@ def cases(x: torch.Tensor, is_weight: bool):
     return out
 
 
+GLUON_KEYS_128 = ("col128", "colrow128", "colrow128x128")  # on sm_90 the Gluon kernel with GROUP 128
+
+
+def permutation_src(n: int, T: int, device) -> torch.Tensor:
+    """The first n rows of the --groups128 permutation of T tokens: row m reads token m * 7919 mod T (a prime
+    stride, so neighbouring rows come from far apart, as routed tokens do; a permutation for T a power of two
+    times a number coprime to 7919)."""
+    return (torch.arange(n, device=device, dtype=torch.int64) * 7919 % T).to(torch.int32)
+
+
+def cases128(x: torch.Tensor, is_weight: bool):
+    """--groups128: (kernel name, key of Q._config_128 / _TUNED, fn) of the 1x128 / 128x128 kernels for one
+    input, and the 1x32 kernels they replace (timed in the same run)."""
+    if not is_weight:
+        # fused forms: x gathered by a permutation (top-1, so every byte of x is read once); x as h [M, 2F] of SwiGLU
+        src = permutation_src(x.shape[0], x.shape[0], x.device)
+        return [
+            ("rowwise_128", "row128", lambda: Q.quantize_rowwise_128(x)),
+            ("rowwise", "row", lambda: Q.quantize_rowwise(x)),
+            ("columnwise_128", "col128", lambda: Q.quantize_columnwise_128(x)),
+            ("dual_128", "colrow128", lambda: Q.quantize_dual_128(x)),
+            ("dual_128_triton", "colrow128", lambda: _triton_only(Q.quantize_dual_128, x)),
+            ("dual", "colrow", lambda: Q.quantize_dual(x)),
+            ("permute_128", "fused128", lambda: Q.permute_quantize_128(x, src)),
+            ("permute_128_triton", "fused128", lambda: _triton_only(lambda t: Q.permute_quantize_128(t, src), x)),
+            ("permute_qdq", None, lambda: Q.permute_qdq(x, src)),
+            ("swiglu_128", "fused128", lambda: Q.swiglu_quantize_128(x)),
+            ("swiglu_128_save_h", "swiglu128_save_h", lambda: Q.swiglu_quantize_128(x, save_h=True)),
+            ("swiglu_128_triton", "fused128", lambda: _triton_only(Q.swiglu_quantize_128, x)),
+            ("swiglu_qdq", None, lambda: Q.swiglu_qdq(x)),
+        ]
+    return [
+        ("weight_128x128_both", "colrow128x128", lambda: Q.quantize_128x128(x)),
+        ("weight_128x128_both_triton", "colrow128x128", lambda: _triton_only(Q.quantize_128x128, x)),
+        ("weight_128x128_rows", "row128x128", lambda: Q.quantize_128x128(x, transposed=False)),
+        ("weight_32x32_both", "colrow32", lambda: Q.quantize_32x32(x)),
+    ]
+
+
+def check128(name: str, x: torch.Tensor, out) -> bool:
+    """check() for the --groups128 kernels (first rows / experts, whole 128-groups); False: not one of them."""
+    if name in ("permute_qdq", "swiglu_qdq"):
+        return True  # the 1x32 fused kernels, for comparison: checked by tests/test_qdq_kernels.py
+    if "128" not in name:
+        return False
+    sub = x[:2] if x.dim() == 3 else x[:256]
+    n = sub.shape[0]
+    want = []
+    if name.startswith("permute_128"):
+        sub = x[permutation_src(256, x.shape[0], x.device)]
+    if name.startswith("swiglu_128"):
+        F = x.shape[1] // 2
+        sub = torch.nn.functional.silu(sub[:, :F]) * sub[:, F:]
+        if name.endswith("save_h"):
+            hq = quantize(x[:256], axis=-1, block=128)
+            want = [(out[4][:n], hq.data), (out[5][:n], hq.scale)]
+    if name.startswith("weight_128x128"):
+        r = quantize(sub, axis=-1, block=(128, 128))
+        want = [(out[0][:2], r.data), (out[1][:2], r.scale)]
+        if len(out) == 4:
+            c = quantize(sub, axis=-2, block=(128, 128))
+            want += [(out[2][:2], c.data.mT), (out[3][:2], c.scale.mT)]
+    else:
+        if name.startswith(("rowwise", "dual", "swiglu", "permute")):
+            r = quantize(sub, axis=-1, block=128)
+            want += [(out[0][:n], r.data), (out[1][:n], r.scale)]
+        if name.startswith(("columnwise", "dual", "swiglu", "permute")):
+            c = quantize(sub, axis=-2, block=128)
+            want += [(out[-2][:, :n], c.data.mT), (out[-1][:, :n // 32], c.scale.mT)] if name.startswith(
+                ("columnwise", "dual")) else [(out[2][:, :n], c.data.mT), (out[3][:, :n // 32], c.scale.mT)]
+    if not want:
+        raise AssertionError(f"check128(): no reference for {name}")
+    for got, ref in want:
+        if not torch.equal(got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)):
+            raise AssertionError(f"{name}: output differs from the reference")
+    return True
+
+
 def check(name: str, x: torch.Tensor, out) -> None:
     """Bit-exactness spot check against the reference (first rows / experts only)."""
+    if check128(name, x, out):
+        return
     if name.startswith("grouped"):
         return  # covered by the tests (needs the per-group layout reference)
     sub = x[:2] if x.dim() == 3 else x[:256]
@@ -254,7 +352,8 @@ def torchao_fn(x: torch.Tensor):
 
 
 SWEPT = ("rowwise", "columnwise_triton", "dual_triton", "grouped_8", "weight_rowwise_blocked",
-         "weight_columnwise_triton", "weight_1x32_both_triton", "weight_32x32_both_triton")
+         "weight_columnwise_triton", "weight_1x32_both_triton", "weight_32x32_both_triton",
+         "rowwise_128", "weight_128x128_rows")
 
 
 def cfg_name(cfg) -> str:
@@ -294,7 +393,7 @@ def _precompile_worker(jobs):
         Q._TUNED[key] = Q.TileConfig(*cfg)
         for is_weight in (False, True):
             x = wide_randn((2, 256, 512) if is_weight else (512, 512))
-            for _, k, fn in cases(x, is_weight):
+            for _, k, fn in cases(x, is_weight) + cases128(x, is_weight):
                 if k == key:
                     fn()
     torch.cuda.synchronize()
@@ -317,6 +416,8 @@ def precompile(workers: int = 8, keys=None) -> None:
 def _default_cfg(key: str):
     if key == "grouped":
         return Q._config_grouped()
+    if "128" in key:
+        return Q._config_128(row="row" in key, col=key.startswith("col"), tile32="128x128" in key)
     return Q._config_2d(row="row" in key, col="col" in key, tile32=key.endswith("32"))
 
 
@@ -375,7 +476,10 @@ def check_ceiling(x3, yt, y, row: bool) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/h200/quantize.json")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/h200/quantize.json "
+                    "(--groups128: quantize_128.json)")
+    ap.add_argument("--groups128", action="store_true",
+                    help="time the 1x128 / 128x128 kernels (DESIGN §9) beside the 1x32 ones they replace")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-torch reference")
     ap.add_argument("--qdq", action="store_true",
@@ -392,10 +496,13 @@ def main():
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks this script, times nothing)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = f"benchmarks/results/h200/quantize{'_128' if args.groups128 else ''}.json"
+    case_list = cases128 if args.groups128 else cases
     global DEV, ACTS, WEIGHTS, CUDAGRAPH
     CUDAGRAPH = args.cudagraph
     if args.dry_run:
-        DEV, ACTS, WEIGHTS = "cpu", [(256, 384)], [(2, 128, 256)]
+        DEV, ACTS, WEIGHTS = "cpu", [(256, 512)], [(2, 128, 256)]
     import triton
 
     only = set(filter(None, args.kernels.split(",")))
@@ -403,8 +510,11 @@ def main():
     if args.precompile and DEV == "cuda":
         keys = None
         if only:
-            keys = sorted({k for w in (False, True) for n, k, _ in cases(wide_randn((2, 256, 512) if w else (256, 512)), w)
+            keys = sorted({k for w in (False, True)
+                           for n, k, _ in case_list(wide_randn((2, 256, 512) if w else (256, 512)), w)
                            if n in only and k is not None})
+        elif args.groups128:
+            keys = ["row128", "row128x128"]
         precompile(args.precompile, keys)
         print(f"precompiled in {time.time() - t_start:.1f} s", flush=True)
         if args.precompile_only:
@@ -446,7 +556,7 @@ def main():
     for shape, is_weight in shapes:
         x = wide_randn(shape)
         in_bytes = nbytes(x)
-        for name, key, fn in cases(x, is_weight):
+        for name, key, fn in case_list(x, is_weight):
             if only and name not in only:
                 continue
             out = fn()
@@ -454,13 +564,16 @@ def main():
             check(name, x, out)
             total = in_bytes + nbytes(*[t for t in out if isinstance(t, torch.Tensor) and t.dtype != torch.int32])
             del out
-            if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both", "weight_32x32_both") \
+            if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both", "weight_32x32_both",
+                                       "columnwise_128", "dual_128", "weight_128x128_both") \
                     and kernel_config(name, key, x).startswith("gluon"):
                 tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual", x.element_size()]
                 saved = dict(tile)
                 for (MB, BK, WM, WK, TM), RS in itertools.product(GLUON_SWEEP, GLUON_SWEEP_RS):
                     if not Q._gluon_tile_fits(MB, BK, WM, WK, TM, RS):
                         continue  # the kernel's layouts cannot be built from this tile
+                    if "128" in name and (MB % 4 or ("columnwise" not in name and BK % 128)):
+                        continue  # a 128-group would span two tiles
                     tile.update(MB=MB, BK=BK, WM=WM, WK=WK, TM=TM, RS=RS)
                     if tile == saved:
                         continue  # timed below as "auto"
@@ -513,13 +626,14 @@ def main():
             del cc, bufs
         # peers
         if not args.no_reference:
-            ref_fn = (lambda: quantize(x, axis=-1))
+            group = 128 if args.groups128 else 32
+            ref_fn = (lambda: quantize(x, axis=-1, block=group))
             out = ref_fn()
             total = in_bytes + nbytes(out.data, out.scale)
             del out
             sync()
-            record("torch_reference_rowwise", shape, total, bench_ms(ref_fn))
-        if not is_weight and not only:
+            record("torch_reference_rowwise" + ("_128" if args.groups128 else ""), shape, total, bench_ms(ref_fn))
+        if not is_weight and not only and not args.groups128:
             fn, why = torchao_fn(x)
             if fn is None:
                 if why not in notes:

@@ -331,12 +331,12 @@ CASES = {
 }
 
 
-def run_cases(device: str) -> dict[str, str | None]:
-    """Run every case; name -> None (passed) or the failure message."""
+def run_cases(device: str, cases: dict | None = None) -> dict[str, str | None]:
+    """Run every case (of ``cases``, default CASES); name -> None (passed) or the failure message."""
     from mxmoe.kernels import quantize as Q
 
     out = {}
-    for name, fn in CASES.items():
+    for name, fn in (CASES if cases is None else cases).items():
         gen = torch.Generator().manual_seed(hash(name) % 2**31)
         try:
             t0 = time.time()
@@ -360,16 +360,22 @@ def _have_triton() -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def interpreter_results():
+def run_interpreted_cases(script: str, timeout: int = 600) -> dict[str, str | None]:
+    """Run ``script --cases`` (a test file whose ``--cases`` run prints ``RESULTS`` + run_cases' JSON) under
+    TRITON_INTERPRET=1 in one subprocess; its results."""
     if not _have_triton():
         pytest.skip("triton not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--cases"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, os.path.abspath(script), "--cases"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")][-1]
     return json.loads(line[len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return run_interpreted_cases(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))

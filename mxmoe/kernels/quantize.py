@@ -90,6 +90,42 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
     return _TUNED.get(key) or TileConfig(32, 256, 4, True)
 
 
+def _config_128(row: bool, col: bool, tile32: bool) -> TileConfig:
+    """Launch config of mx_quantize_kernel with GROUP 128 (1x128 / 128x1 groups, 128x128 tiles): BK % 128 == 0
+    for a row output, BM % 128 == 0 for a column output or tiles. Not yet timed (chosen from offline sm_90
+    compiles, NOTES_quantize.md session 12): rowwise keeps the 1x32 "row" tile's shape and bytes in flight
+    (32 x 256, 4 warps, a 1x128 group is 16 lanes of one warp); the column family needs 128 rows per tile."""
+    if _interpreting():
+        return TileConfig(128, 256, 4, True)
+    key = ("col" if col else "") + ("row" if row else "") + ("128x128" if tile32 else "128")
+    return _TUNED.get(key) or _DEFAULT_128[key]
+
+
+def _config_128_fused(save_h: bool) -> TileConfig:
+    """Launch config of the fused permutation / SwiGLU kernels with GROUP 128 (FP8 rows and columns; BM and BK
+    multiples of 128): see _DEFAULT_128."""
+    if _interpreting():
+        return TileConfig(128, 256, 4, True)
+    key = "swiglu128_save_h" if save_h else "fused128"
+    return _TUNED.get(key) or _DEFAULT_128[key]
+
+
+# Offline sm_90 compiles (BF16 input, row-major scales; registers / spill bytes per thread): rowwise 32x256/w4
+# 128 / 0 (the 1x32 "row" tile's 128 / 0); 128x128 rows only 128x128/w16 92 / 0 (w8: 155 / 0). The Triton column
+# family (off sm_90 or MXMOE_QUANT_GLUON=0; on sm_90 the Gluon kernel runs) needs 128-row tiles and spills:
+# columnwise 128x32/w4 128 / 0 (128x64/w4 229 / 0), dual 128x128/w16 128 / 152 (w8 255 / 16), 128x128 both
+# orientations 128x128/w16 128 / 260 (w8 255 / 8).
+_DEFAULT_128 = {
+    "row128": TileConfig(32, 256, 4, False),
+    "row128x128": TileConfig(128, 128, 16, True),
+    "col128": TileConfig(128, 32, 4, True),
+    "colrow128": TileConfig(128, 128, 16, True),
+    "colrow128x128": TileConfig(128, 128, 16, True),
+    "fused128": TileConfig(128, 128, 16, True),
+    "swiglu128_save_h": TileConfig(128, 128, 16, True),
+}
+
+
 # Tile configs by kernel family ("row", "col", "colrow" = dual, "colrow32" = 32x32 tiles, "grouped";
 # a missing key uses the default of _config_2d): the best of the H200 sweeps
 # (`bench_quantize.py --sweep`, results/h200/quantize_sweep.json and quantize_sweep_s4.json, 2026-11-30), each checked bit for
@@ -132,6 +168,16 @@ _GLUON_TILES = {
     ("col", 4): dict(MB=8, BK=64, WM=1, WK=4, TM=8, RS=32),
     ("dual", 2): dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=16),
     ("dual", 4): dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=32),
+}
+
+
+# Gluon tiles of the SwiGLU input mode (swiglu_quantize_128, 16-bit): two input tiles and the silu math per element
+# need more registers than dual's tile (8 warps: 205 registers, 255 + 12 bytes of spills with save_h, offline sm_90),
+# so 16 warps over the same 128x128 tile: 113 registers / 0 spills, with save_h WM 2 / TM 2 for 128 / 0 (the
+# WM 1 / TM 4 tile spilled 44 bytes there). Not yet timed.
+_GLUON_TILES_SWIGLU = {
+    False: dict(MB=4, BK=128, WM=1, WK=16, TM=4, RS=16),
+    True: dict(MB=4, BK=128, WM=2, WK=8, TM=2, RS=16),
 }
 
 
@@ -190,19 +236,27 @@ def _gluon_tile(row: int, x3: torch.Tensor) -> dict:
 
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
-                  tile32: bool = False):
+                  tile32: bool = False, group: int = 32, shape: tuple | None = None, fused: dict | None = None,
+                  tile: dict | None = None):
     """Run quantize_gluon.mx_quantize_cols_kernel on x3 [B, M, K] over [m_cover, k_cover]; row / col
     are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None); tile32: one
-    scale per 32x32 tile."""
-    B, M, K = x3.shape
-    g = _gluon_tile(row, x3)
+    scale per 32x32 tile (group 128: 128x128); group: the scale group along each output's axis.
+    shape: the tile grid's (B, M, K) where it is not x3's (the fused input modes); fused: the kernel's
+    IN_MODE arguments (src_ptr / T, or qh_ptr / sh_ptr / SAVE_H); tile: the tile, where not _gluon_tile's."""
+    B, M, K = x3.shape if shape is None else shape
+    g = _gluon_tile(row, x3) if tile is None else dict(tile)
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
     _gluon().mx_quantize_cols_kernel[(n_tiles,)](
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
         M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
         0 if sr is None else sr[0].numel(), rceil,
         ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, K_FAST=_gluon_k_fast(row, col),
-        num_warps=g["WM"] * g["WK"], **g)
+        num_warps=g["WM"] * g["WK"], **g, **({"GROUP": group} if group != 32 else {}), **(fused or {}))
+
+
+# Scale groups the Gluon kernel takes (128: 1x128 / 128x1 groups and 128x128 tiles, GROUP constexpr); other
+# groups run the Triton kernel.
+_GLUON_GROUPS = (32, 128)
 
 
 # Groups up to which mx_quantize_grouped_kernel finds a tile's group with a vector sum over the groups (warp-local
@@ -222,8 +276,10 @@ def _config_grouped() -> TileConfig:
 # Validation
 # ----------------------------------------------------------------------------------------------
 
-def _check(x: torch.Tensor, name: str, need_k32: bool, need_m32: bool) -> tuple[torch.Tensor, bool]:
-    """Validate x and return it as a 3D [B, M, K] view plus whether it was 2D."""
+def _check(x: torch.Tensor, name: str, need_k32: bool, need_m32: bool,
+           group: int = BLOCK) -> tuple[torch.Tensor, bool]:
+    """Validate x and return it as a 3D [B, M, K] view plus whether it was 2D (need_k32 / need_m32:
+    K / M a multiple of ``group``, the scale group along that dim)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -231,10 +287,10 @@ def _check(x: torch.Tensor, name: str, need_k32: bool, need_m32: bool) -> tuple[
     if x.dim() not in (2, 3):
         raise ValueError(f"{name} expects a 2D [M, K] or 3D [B, M, K] tensor, got shape {tuple(x.shape)}")
     M, K = x.shape[-2], x.shape[-1]
-    if need_k32 and K % BLOCK:
-        raise ValueError(f"{name}: the last dim (K={K}) must be divisible by {BLOCK}")
-    if need_m32 and M % BLOCK:
-        raise ValueError(f"{name}: dim -2 (M={M}) must be divisible by {BLOCK} (columnwise blocks run along it)")
+    if need_k32 and K % group:
+        raise ValueError(f"{name}: the last dim (K={K}) must be divisible by {group}")
+    if need_m32 and M % group:
+        raise ValueError(f"{name}: dim -2 (M={M}) must be divisible by {group} (columnwise blocks run along it)")
     if not x.is_cuda and not _interpreting():
         raise ValueError(f"{name} runs on CUDA tensors; got a tensor on {x.device} "
                          "(use mxmoe.formats.quantize, the pure-torch reference, on CPU)")
@@ -267,10 +323,13 @@ def _alloc_scales(B: int, rows: int, cols: int, layout: int, device) -> torch.Te
 # Launch
 # ----------------------------------------------------------------------------------------------
 
-def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: bool, tile32: bool, name: str):
+def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: bool, tile32: bool, name: str,
+               group: int = BLOCK):
+    """mx_quantize_kernel (or the Gluon kernel) on x; group 128: 1x128 / 128x1 groups, with tile32 128x128 tiles
+    (whose rows need not fill the last tile when there is no transposed copy: col False)."""
     layout = _layout(scale_layout)
     rceil = _rule(scale_rule)
-    x3, was_2d = _check(x, name, need_k32=row or tile32, need_m32=col or tile32)
+    x3, was_2d = _check(x, name, need_k32=row or tile32, need_m32=col or (tile32 and group == BLOCK), group=group)
     B, M, K = x3.shape
     dev = x.device
 
@@ -288,13 +347,14 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev)
         sc = _alloc_scales(B, K // BLOCK if compact else K, M // BLOCK, layout, dev)
     if x3.numel() > 0 and B > 0:
-        BM, BK, num_warps, persistent = _config_2d(row, col, tile32)
+        BM, BK, num_warps, persistent = _config_2d(row, col, tile32) if group == BLOCK else \
+            _config_128(row, col, tile32)
         cover = 128 if layout == 1 or compact else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        if col and _use_gluon(x3):
+        if col and _use_gluon(x3) and group in _GLUON_GROUPS:
             _launch_gluon(x3, qc, sc, qr, sr, m_cover, k_cover, rceil, row=int(row), col=1, layout=layout,
-                          tile32=tile32)
+                          tile32=tile32, group=group)
             out = [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)] if row else []
             return (*out, finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype))
         total = triton_cdiv(m_cover, BM) * triton_cdiv(k_cover, BK) * B
@@ -307,6 +367,8 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         # two large activations; with blocked / Hopper scales K-fastest lost 1.5-4 points (H200, session 7)
         kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BM=BM, BK=BK,
                       SOFT_CVT=_interpreting(), K_FAST=not col and layout == 0, num_warps=num_warps)
+        if group != BLOCK:
+            kwargs["GROUP"] = group
         _launch_tiles(_kernels().mx_quantize_kernel, args, kwargs, total, persistent, x.device)
     out = []
     if row:
@@ -425,6 +487,71 @@ def quantize_32x32(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", scale
         block=(32, 32))`` transposed). Scales are stored replicated (standard 1x32 MX tensors).
     """
     return _launch_2d(x, scale_rule, scale_layout, row=True, col=transposed, tile32=True, name="quantize_32x32")
+
+
+# 1x128 / 128x1 groups and 128x128 tiles (DESIGN §9, recipe mxfp8_128): the same outputs and storage as the
+# 1x32 functions above (E4M3 data, E8M0 scales per 32 elements, each group's scale replicated), equal byte for byte
+# to formats.quantize(x, axis, rule, block=128 or (128, 128)).
+_G128 = 128
+
+
+def quantize_rowwise_128(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
+                         scale_layout: str = "row_major") -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along the last dim with one scale per 128 elements (1x128 groups): fprop / dgrad operands.
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]`` bfloat16/float16/float32, CUDA, ``K % 128 == 0``; any strides, any M.
+        scale_rule, scale_layout: as :func:`quantize_rowwise`.
+    Returns:
+        ``(data, scale)``: ``float8_e4m3fn`` ``[.., M, K]``, ``float8_e8m0fnu`` ``[.., M, K/32]`` (row-major;
+        each group's byte 4 times), equal to ``formats.quantize(x, -1, scale_rule, block=128)``.
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=True, col=False, tile32=False, name="quantize_rowwise_128",
+                      group=_G128)
+
+
+def quantize_columnwise_128(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
+                            scale_layout: str = "row_major") -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 along dim -2 with one scale per 128 rows (128x1 groups, the wgrad operand), data transposed.
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]``, ``M % 128 == 0``, CUDA.
+    Returns:
+        ``(data_t, scale_t)``: ``float8_e4m3fn`` ``[.., K, M]``, scales ``[.., K, M/32]``;
+        ``columnwise_mxtensor(data_t, scale_t, rule, (1, 128))`` equals ``formats.quantize(x, -2, rule, 128)``.
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=False, col=True, tile32=False,
+                      name="quantize_columnwise_128", group=_G128)
+
+
+def quantize_dual_128(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", scale_layout: str = "row_major"):
+    """1x128 along K and 128x1 along M (stored transposed) from one read: x (fprop + wgrad), dy (dgrad + wgrad).
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]``, ``M % 128 == K % 128 == 0``, CUDA.
+    Returns:
+        ``(data, scale, data_t, scale_t)``: :func:`quantize_rowwise_128` then :func:`quantize_columnwise_128`.
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=True, col=True, tile32=False, name="quantize_dual_128",
+                      group=_G128)
+
+
+def quantize_128x128(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", scale_layout: str = "row_major",
+                     transposed: bool = True):
+    """One scale per 128x128 tile (weights ``[E, N, K]``), both orientations from one read (as quantize_32x32).
+
+    Args:
+        x: ``[N, K]`` or ``[E, N, K]``, ``K % 128 == 0`` and, with ``transposed``, ``N % 128 == 0`` (without it N
+            may end in a partial tile), CUDA.
+        transposed: also write the copy along N (``[.., K, N]``, the same bytes transposed).
+    Returns:
+        ``(data, scale, data_t, scale_t)`` (``transposed=False``: ``(data, scale)``): ``data`` ``[.., N, K]`` with
+        scales ``[.., N, K/32]`` = ``formats.quantize(x, -1, rule, (128, 128))``; ``data_t`` ``[.., K, N]`` with
+        ``[.., K, N/32]`` = ``formats.quantize(x, -2, rule, (128, 128))`` transposed. "sm90" scales keep one
+        value per 32x32 tile (as :func:`quantize_32x32`), replicated over each 128x128 tile.
+    """
+    return _launch_2d(x, scale_rule, scale_layout, row=True, col=transposed, tile32=True, name="quantize_128x128",
+                      group=_G128)
 
 
 def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
@@ -643,27 +770,59 @@ def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil", save_h: b
     Raises:
         TypeError: h not bfloat16. ValueError: bad shape, CPU tensor.
     """
+    return _launch_swiglu(h, scale_rule, save_h, fp8_rows=False, group=BLOCK, name="swiglu_qdq")
+
+
+def swiglu_quantize_128(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil", save_h: bool = False):
+    """SwiGLU of ``h [M, 2F]`` fused with the dual 1x128 / 128x1 quantization of ``a = F.silu(gate) * up`` (BF16
+    math as torch's, :func:`swiglu_qdq`'s), from one read of h; a is not written: the recipe ``mxfp8_128``'s
+    down-projection input (fprop rows, wgrad columns).
+
+    Args:
+        h: bfloat16 ``[M, 2F]``, CUDA, ``M % 128 == F % 128 == 0``; any strides.
+        save_h: also return h quantized along 2F in 1x128 groups, from the same read.
+    Returns:
+        ``(data, scale, data_t, scale_t, h_data, h_scale)``: :func:`quantize_dual_128` of a (``data`` e4m3
+        ``[M, F]``, ``scale`` e8m0 ``[M, F/32]``, ``data_t`` ``[F, M]``, ``scale_t`` ``[F, M/32]``), then with
+        ``save_h`` :func:`quantize_rowwise_128` of h (``[M, 2F]`` e4m3, ``[M, 2F/32]`` e8m0), else two empty tensors.
+    Raises:
+        TypeError: h not bfloat16. ValueError: bad shape, CPU tensor.
+    """
+    return _launch_swiglu(h, scale_rule, save_h, fp8_rows=True, group=_G128, name="swiglu_quantize_128")
+
+
+def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, group: int, name: str):
+    """mx_swiglu_qdq_kernel: a's rows as BF16 MX values (``swiglu_qdq``) or, ``fp8_rows``, as E4M3 + scales
+    (``swiglu_quantize_128``); outputs in the order rows (bf16, or data + scale), data_t, scale_t, h_data, h_scale."""
     if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16:
-        raise TypeError(f"swiglu_qdq expects a bfloat16 tensor, got {getattr(h, 'dtype', type(h).__name__)}")
-    if h.dim() != 2 or h.shape[1] % (2 * BLOCK):
-        raise ValueError(f"swiglu_qdq expects h [M, 2F] with F % 32 == 0, got shape {tuple(h.shape)}")
-    _check(h, "swiglu_qdq", need_k32=True, need_m32=True)
+        raise TypeError(f"{name} expects a bfloat16 tensor, got {getattr(h, 'dtype', type(h).__name__)}")
+    if h.dim() != 2 or h.shape[1] % (2 * group):
+        raise ValueError(f"{name} expects h [M, 2F] with F % {group} == 0, got shape {tuple(h.shape)}")
+    _check(h, name, need_k32=True, need_m32=True, group=group)
     M, F = h.shape[0], h.shape[1] // 2
     dev = h.device
-    a16 = torch.empty(M, F, dtype=torch.bfloat16, device=dev)
+    rows = torch.empty(M, F, dtype=torch.uint8 if fp8_rows else torch.bfloat16, device=dev)
+    srow = torch.empty(M, F // BLOCK, dtype=torch.uint8, device=dev) if fp8_rows else None
     qc = torch.empty(F, M, dtype=torch.uint8, device=dev)
     sc = torch.empty(F, M // BLOCK, dtype=torch.uint8, device=dev)
     qh = torch.empty((M, 2 * F) if save_h else (0,), dtype=torch.uint8, device=dev)
     sh = torch.empty((M, 2 * F // BLOCK) if save_h else (0,), dtype=torch.uint8, device=dev)
-    if M and F:
-        BM, BK, num_warps, persistent = _config_swiglu(save_h)
+    if M and F and fp8_rows and _use_gluon(h[None]) and F % _GLUON_TILES_SWIGLU[save_h]["BK"] == 0:
+        fused = dict(IN_MODE=2, SAVE_H=save_h, qh_ptr=qh if save_h else qc, sh_ptr=sh if save_h else sc)
+        _launch_gluon(h[None], qc, sc, rows, srow, M, F, _rule(scale_rule), row=1, col=1, layout=0, group=group,
+                      shape=(1, M, F), fused=fused, tile=_GLUON_TILES_SWIGLU[save_h])
+    elif M and F:
+        BM, BK, num_warps, persistent = _config_swiglu(save_h) if group == BLOCK else _config_128_fused(save_h)
         total = triton_cdiv(M, BM) * triton_cdiv(F, BK)
-        args = (h, a16, qc, sc, qh if save_h else qc, sh if save_h else sc, M, F, h.stride(0), h.stride(1),
-                _rule(scale_rule))
+        args = (h, rows, sc if srow is None else srow, qc, sc, qh if save_h else qc, sh if save_h else sc, M, F,
+                h.stride(0), h.stride(1), _rule(scale_rule))
         kwargs = dict(SAVE_H=save_h, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        if fp8_rows:
+            kwargs.update(ROW_FP8=True, GROUP=group)
         kernel = _kernels().mx_swiglu_qdq_kernel
         _launch_tiles(kernel, args, kwargs, total, persistent, dev)
-    return (a16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu),
+    out = (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu)) if fp8_rows else (rows,)
+    return (*out, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu),
             qh.view(torch.float8_e4m3fn), sh.view(torch.float8_e8m0fnu))
 
 
@@ -682,28 +841,60 @@ def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str 
         TypeError: x not a float tensor of a supported dtype, src not int32/int64.
         ValueError: bad shapes, devices differ, CPU tensors (outside the interpreter).
     """
+    return _launch_permute(x, src, scale_rule, fp8_rows=False, group=BLOCK, name="permute_qdq")
+
+
+def permute_quantize_128(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
+    """Token rows gathered into the expert buffer ``xp[m] = x[src[m]]`` (zero row where ``src[m] == -1``), fused
+    with the dual 1x128 / 128x1 quantization of xp, FP8 out both ways; xp is never written (the recipe
+    ``mxfp8_128``'s first expert product: fprop rows, wgrad columns).
+
+    Args:
+        x: ``[T, K]`` bfloat16/float16/float32, CUDA, ``K % 128 == 0``; any strides.
+        src: ``[M]`` int32/int64 on x's device, ``M % 128 == 0`` (a 128-row group along M never spans two experts
+            when each expert's rows are padded to 128); values outside ``[0, T)`` give zero rows (not checked).
+    Returns:
+        ``(data, scale, data_t, scale_t)``: :func:`quantize_dual_128` of xp, bit for bit (``data`` e4m3
+        ``[M, K]``, ``scale`` e8m0 ``[M, K/32]``, ``data_t`` ``[K, M]``, ``scale_t`` ``[K, M/32]``).
+    Raises:
+        TypeError / ValueError as :func:`permute_qdq` (with 128 for 32).
+    """
+    return _launch_permute(x, src, scale_rule, fp8_rows=True, group=_G128, name="permute_quantize_128")
+
+
+def _launch_permute(x: torch.Tensor, src: torch.Tensor, scale_rule, fp8_rows: bool, group: int, name: str):
+    """mx_permute_qdq_kernel: xp's rows as BF16 MX values (``permute_qdq``) or, ``fp8_rows``, as E4M3 + scales
+    (``permute_quantize_128``); outputs in the order rows (bf16, or data + scale), data_t, scale_t."""
     if not isinstance(src, torch.Tensor) or src.dtype not in (torch.int32, torch.int64):
         got = getattr(src, "dtype", type(src).__name__)
-        raise TypeError(f"permute_qdq expects src as an int32/int64 tensor, got {got}")
+        raise TypeError(f"{name} expects src as an int32/int64 tensor, got {got}")
     if src.dim() != 1 or src.device != getattr(x, "device", None):
-        raise ValueError(f"permute_qdq expects src [M] on x's device, got shape {tuple(src.shape)} on {src.device}")
-    _check(x, "permute_qdq", need_k32=True, need_m32=False)
+        raise ValueError(f"{name} expects src [M] on x's device, got shape {tuple(src.shape)} on {src.device}")
+    if src.numel() % group:
+        raise ValueError(f"{name}: the buffer's row count (M={src.numel()}) must be divisible by {group}")
+    _check(x, name, need_k32=True, need_m32=False, group=group)
     if x.dim() != 2:
-        raise ValueError(f"permute_qdq expects x [T, K], got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} expects x [T, K], got shape {tuple(x.shape)}")
     (T, K), M = x.shape, src.numel()
-    if M % BLOCK:
-        raise ValueError(f"permute_qdq: the buffer's row count (M={M}) must be divisible by {BLOCK}")
     dev = x.device
-    xp16 = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+    rows = torch.empty(M, K, dtype=torch.uint8 if fp8_rows else torch.bfloat16, device=dev)
+    srow = torch.empty(M, K // BLOCK, dtype=torch.uint8, device=dev) if fp8_rows else None
     qc = torch.empty(K, M, dtype=torch.uint8, device=dev)
     sc = torch.empty(K, M // BLOCK, dtype=torch.uint8, device=dev)
-    if M and K:
-        BM, BK, num_warps, persistent = _config_qdq(True)
+    if M and K and T and fp8_rows and _use_gluon(x[None]):
+        _launch_gluon(x[None], qc, sc, rows, srow, M, K, _rule(scale_rule), row=1, col=1, layout=0, group=group,
+                      shape=(1, M, K), fused=dict(IN_MODE=1, src_ptr=src.contiguous(), T=T))
+    elif M and K:
+        BM, BK, num_warps, persistent = _config_qdq(True) if group == BLOCK else _config_128_fused(False)
         total = triton_cdiv(M, BM) * triton_cdiv(K, BK)
         if T == 0:  # no tokens: every row is zero; an empty CUDA tensor has no address triton accepts
             x = x.new_zeros(1, K)
-        args = (x, src.contiguous(), xp16, qc, sc, M, K, T, x.stride(0), x.stride(1), _rule(scale_rule))
+        args = (x, src.contiguous(), rows, sc if srow is None else srow, qc, sc, M, K, T, x.stride(0), x.stride(1),
+                _rule(scale_rule))
         kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        if fp8_rows:
+            kwargs.update(ROW_FP8=True, GROUP=group)
         kernel = _kernels().mx_permute_qdq_kernel
         _launch_tiles(kernel, args, kwargs, total, persistent, dev)
-    return xp16, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
+    out = (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu)) if fp8_rows else (rows,)
+    return (*out, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu))

@@ -33,8 +33,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 # The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
-from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _quantize_elems, _store_scales,
-                                           _tile_coords, _to_f32)
+from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _max4, _quantize_elems,
+                                           _silu_mul_bf16, _store_scales, _tile_coords, _to_f32)
 
 
 @gluon.jit
@@ -51,6 +51,17 @@ def _expand_bf16(q, byte):
 
 
 @gluon.jit
+def _group_max(a, AXIS: gl.constexpr):
+    """a [D0, D1] or [D0, D1, D2] maxed over groups of 4 neighbouring entries along AXIS and spread back,
+    in a's layout: 32-block maxima -> those of 128-element groups (GROUP 128, DESIGN §9)."""
+    if len(a.shape) == 2:
+        g = _max4(gl.reshape(a, [a.shape[0], a.shape[1], 1]), AXIS)
+        return gl.convert_layout(gl.reshape(g, [a.shape[0], a.shape[1]]), a.type.layout)
+    else:
+        return gl.convert_layout(_max4(a, AXIS), a.type.layout)
+
+
+@gluon.jit
 def _tile_index(tm, tk, MB: gl.constexpr, BK: gl.constexpr, L: gl.constexpr):
     """Global rows m [MB, 32, 1] and columns k [1, 1, BK] of tile (tm, tk), in the 3D layout L."""
     i0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
@@ -63,17 +74,21 @@ def _tile_index(tm, tk, MB: gl.constexpr, BK: gl.constexpr, L: gl.constexpr):
 @gluon.jit
 def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: gl.constexpr, LAYOUT: gl.constexpr,
              MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, L_IN: gl.constexpr,
-             TILE32: gl.constexpr):
+             TILE32: gl.constexpr, GROUP: gl.constexpr = 32):
     """The rowwise half, on the tile x [MB, 32, BK] as loaded (L_IN, global indices m [MB, 32, 1],
     k [1, 1, BK]): a 1x32 block along K is VEC elements in each of 32/VEC neighbouring lanes, so its
     max is in-thread plus shuffles. OUT 1: E4M3 qr [B, M, K] and scales sr; OUT 2: the BF16 MX
     values (quantize, then expand) into qr [B, M, K] bf16. TILE32: one scale per 32x32 tile (the
-    max of the tile's 32 row-block maxima)."""
+    max of the tile's 32 row-block maxima). GROUP 128: 1x128 groups (BK % 128 == 0), with TILE32 128x128 tiles."""
     NB: gl.constexpr = BK // 32
     xf = gl.reshape(_to_f32(x), [MB, 32, NB, 32])
     amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3)  # [MB, 32, NB]
+    if GROUP == 128 and not TILE32:
+        amax = _group_max(amax, 2)
     if TILE32:
         tile = gl.max(amax, axis=1)  # [MB, NB]
+        if GROUP == 128:
+            tile = _group_max(_group_max(tile, 0), 1)
         amax, _ = gl.broadcast(gl.expand_dims(tile, 1), amax)
     byte = _e8m0_from_amax_bits(amax, rceil)
     q = _quantize_elems(xf, gl.expand_dims(byte, 3), False)
@@ -123,7 +138,8 @@ def mx_quantize_cols_kernel(
     sc_stride_b, sr_stride_b, rceil,
     ROW: gl.constexpr, COL: gl.constexpr, LAYOUT: gl.constexpr, MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr,
     WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr, K_FAST: gl.constexpr = False,
-    RS: gl.constexpr = 32,
+    RS: gl.constexpr = 32, GROUP: gl.constexpr = 32,
+    src_ptr=None, T=0, qh_ptr=None, sh_ptr=None, IN_MODE: gl.constexpr = 0, SAVE_H: gl.constexpr = False,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, K_FAST: k-tiles fastest; then b); WM*WK warps.
 
@@ -136,6 +152,13 @@ def mx_quantize_cols_kernel(
     ROW needs K % 32 == 0. The row outputs come from the same load. TILE32 (ROW 1 or 2 with COL 1): one
     scale per 32x32 tile, so both orientations hold the same bytes (quantize_32x32, qdq_dual tile32);
     the scales are stored replicated per row / column, or once per tile in the compact LAYOUT 2.
+    GROUP 128 (DESIGN §9): one scale per 128 elements along each output's axis (1x128 rows, 128x1 columns,
+    TILE32: 128x128 tiles), the max of 4 neighbouring 32-blocks, stored per 32 as above; needs MB % 4 == 0
+    and, with ROW, BK % 128 == 0.
+    IN_MODE (B == 1) fuses the producer of the tile: 1, the rows gathered from x [T, K] by src [M] (int32/int64;
+    outside [0, T): a zero row), i.e. the outputs of x[src]; 2, SwiGLU: x is h [M, 2K] bf16 and the tile is
+    a = silu(h[:, :K]) * h[:, K:] (BF16 math as torch's, quantize_triton._silu_mul_bf16), with SAVE_H also h's
+    rows quantized (ROW mode 1, GROUP) into qh [M, 2K] + sh [M, 2K/32] row-major (K % BK == 0).
     """
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
@@ -150,18 +173,36 @@ def mx_quantize_cols_kernel(
 
     # load [MB, 32, BK] in L_IN (zeros past M, K: the padding of blocked scales)
     m, k = _tile_index(tm, tk, MB, BK, L_IN)
-    x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
+    if IN_MODE == 1:  # gathered rows x[src[m]]
+        row = gl.load(src_ptr + m, mask=m < M, other=-1).to(gl.int64)
+        x = gl.load(x_ptr + row * stride_xm + k, mask=(row >= 0) & (row < T) & (k < K), other=0.0)
+    elif IN_MODE == 2:  # SwiGLU: gate = h[:, :K], up = h[:, K:]
+        hp = x_ptr + m.to(gl.int64) * stride_xm + k
+        gate = gl.load(hp, mask=(m < M) & (k < K), other=0.0)
+        up = gl.load(hp + K, mask=(m < M) & (k < K), other=0.0)
+        x = _silu_mul_bf16(gate, up, False)
+        if SAVE_H:
+            _rowwise(gate, m, k, tm, tk, b, qh_ptr, sh_ptr, M, 2 * K, 0, rceil, 1, 0, MB, BK, WM, WK, L_IN, False,
+                     GROUP)
+            _rowwise(up, m, k, tm, tk, b, qh_ptr + K, sh_ptr + K // 32, M, 2 * K, 0, rceil, 1, 0, MB, BK, WM, WK,
+                     L_IN, False, GROUP)
+    else:
+        x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
 
     if ROW != 0:
         _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
-                 TILE32)
+                 TILE32, GROUP)
 
     # columns: one layout conversion, then per thread (RS 16: the block max takes one shuffle between two lanes)
     xf = _to_f32(gl.convert_layout(x, L_COL))
     amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # [MB, BK]
+    if GROUP == 128:  # 128x1 groups: the max over 4 neighbouring blocks of a column
+        amax = _group_max(amax, 0)
     if TILE32:  # the max over each tile's 32 columns, spread back over them
         a3 = gl.reshape(amax, [MB, BK // 32, 32])
         tile = gl.max(a3, axis=2)  # [MB, NB]
+        if GROUP == 128:  # 128x128 tiles: and over 4 neighbouring tiles along K
+            tile = _group_max(tile, 1)
         a3, _ = gl.broadcast(gl.expand_dims(tile, 2), a3)
         amax = gl.convert_layout(gl.reshape(a3, [MB, BK]), amax.type.layout)
     byte = _e8m0_from_amax_bits(amax, rceil)

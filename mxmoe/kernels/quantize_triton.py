@@ -177,11 +177,29 @@ def _tile_frame(x_raw, t, n_m, n_k, M, K, BM: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _max4(a, AXIS: tl.constexpr):
+    """Max of a 3D tensor over groups of 4 neighbouring entries along AXIS (its size a multiple of 4),
+    spread back over them: 32-block maxima -> the maxima of 128-element groups (DESIGN §9)."""
+    A: tl.constexpr = a.shape[0]
+    B: tl.constexpr = a.shape[1]
+    C: tl.constexpr = a.shape[2]
+    if AXIS == 0:
+        g = tl.max(tl.reshape(a, (A // 4, 4, B, C)), axis=1, keep_dims=True)
+        return tl.reshape(tl.broadcast_to(g, (A // 4, 4, B, C)), (A, B, C))
+    elif AXIS == 1:
+        g = tl.max(tl.reshape(a, (A, B // 4, 4, C)), axis=2, keep_dims=True)
+        return tl.reshape(tl.broadcast_to(g, (A, B // 4, 4, C)), (A, B, C))
+    else:
+        g = tl.max(tl.reshape(a, (A, B, C // 4, 4)), axis=3, keep_dims=True)
+        return tl.reshape(tl.broadcast_to(g, (A, B, C // 4, 4)), (A, B, C))
+
+
+@triton.jit
 def _quantize_tile(
     x_raw, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
     ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, GROUP: tl.constexpr = 32,
 ):
     """Quantize and store one loaded tile (see mx_quantize_kernel)."""
     b64, tm, tk, m, k, m64, k64, in_bounds, x, bits, plane = _tile_frame(x_raw, t, n_m, n_k, M, K, BM, BK)
@@ -194,10 +212,19 @@ def _quantize_tile(
     # block maxima (as FP32 bits): rows [MB, 32, NB], columns [MB, NB, 32]
     if ROW:
         amax_r = tl.max(bits, axis=3)
-    if COL or TILE32:
+    if COL or (TILE32 and GROUP == 32):
         amax_c = tl.max(bits, axis=1)
+    if GROUP == 128:  # 1x128 along K, 128x1 along M: the max of 4 neighbouring blocks (BM, BK % 128 == 0)
+        if ROW and not TILE32:
+            amax_r = _max4(amax_r, 2)
+        if COL:
+            amax_c = _max4(amax_c, 0)
+        if TILE32 and not COL:  # 128x128 tiles, rows only: from the row-block maxima (no reduction along M of x)
+            amax_c = _max4(_max4(tl.max(amax_r, axis=1)[:, :, None], 0), 1)  # [MB, NB, 1]
     if TILE32:  # one max per 32x32 tile, spread back over both block shapes
         tile = tl.max(amax_c, axis=2)  # [MB, NB]
+        if GROUP == 128 and COL:  # 128x128 tiles: amax_c already holds the max over 128 rows
+            tile = tl.max(_max4(tile[:, :, None], 1), axis=2)
         amax_c = tl.maximum(amax_c, tile[:, :, None])
         if ROW:
             amax_r = tl.maximum(amax_r, tile[:, None, :])
@@ -235,13 +262,16 @@ def mx_quantize_kernel(
     rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
     ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, K_FAST: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, K_FAST: tl.constexpr, GROUP: tl.constexpr = 32,
 ):
     """MXFP8 of x [B, M, K] (any strides), persistent: program p takes tiles p, p + P, ...
 
     ROW: data qr[b] [M, K] + scales sr[b] [M, K/32] (1x32 blocks along K, or the 32x32 tile's).
     COL: data qc[b] [K, M] (x transposed, M contiguous) + scales sc[b] [K, M/32] (blocks along M).
     TILE32: one scale per 32x32 tile (ROW and COL data then hold the same bytes).
+    GROUP 128 (DESIGN §9): one scale per 128 elements along each output's axis (1x128 along K, 128x1
+    along M), with TILE32 per 128x128 tile; scales still stored per 32 (replicated). Needs BK % 128 == 0
+    with ROW, BM % 128 == 0 with COL or TILE32.
     Tiles cover [M_cover, K_cover] (M, K rounded up to 128 when a blocked scale layout needs
     its zero padding written). The next tile is loaded before the current one is processed, so
     every program keeps a tile's loads in flight while it reduces, converts and stores.
@@ -263,7 +293,7 @@ def mx_quantize_kernel(
         tt_next = _k_fastest(t + nprog, total, n_m, n_k) if K_FAST else t + nprog
         x_next = _load_tile(x_ptr, tt_next, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
         _quantize_tile(x, tt, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
-                       ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BM, BK, SOFT_CVT)
+                       ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BM, BK, SOFT_CVT, GROUP)
         x = x_next
         tt = tt_next
         t += nprog
@@ -510,15 +540,18 @@ def _silu_mul_bf16(gate_raw, up_raw, SOFT: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_into(x_raw, t, n_m, n_k, q_ptr, s_ptr, M, K, ldq, rceil,
-                        BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr):
-    """Quantize one loaded tile of a [M, K] grid along its rows (1x32 blocks) into columns of a
-    wider row-major destination: data q [M, ldq] E4M3 bytes, scales s [M, ldq/32] E8M0 bytes
-    (q_ptr / s_ptr already offset to the grid's first column; K % 32 == 0)."""
+                        BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, GROUP: tl.constexpr = 32):
+    """Quantize one loaded tile of a [M, K] grid along its rows (1x32 blocks; GROUP 128: 1x128 groups,
+    BK % 128 == 0) into columns of a wider row-major destination: data q [M, ldq] E4M3 bytes, scales
+    s [M, ldq/32] E8M0 bytes (q_ptr / s_ptr already offset to the grid's first column; K % GROUP == 0)."""
     _, tm, tk = _tile_coords(t, n_m, n_k)
     NB: tl.constexpr = BK // 32
     m = (tm * BM + tl.arange(0, BM))[:, None]  # [BM, 1]
     x = tl.reshape(_to_f32(x_raw), (BM, NB, 32))
-    byte = _e8m0_from_amax_bits(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), rceil)  # [BM, NB]
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)  # [BM, NB]
+    if GROUP == 128:
+        amax = tl.max(_max4(amax[:, :, None], 1), axis=2)
+    byte = _e8m0_from_amax_bits(amax, rceil)  # [BM, NB]
     d = tl.reshape(_quantize_elems(x, byte[:, :, None], SOFT_CVT), (BM, BK))
     k = tk * BK + tl.arange(0, BK)[None, :]
     tl.store(q_ptr + m.to(tl.int64) * ldq + k, d, mask=(m < M) & (k < K))
@@ -528,14 +561,18 @@ def _quantize_rows_into(x_raw, t, n_m, n_k, q_ptr, s_ptr, M, K, ldq, rceil,
 
 @triton.jit(do_not_specialize=["rceil"])
 def mx_swiglu_qdq_kernel(
-    h_ptr, br_ptr, qc_ptr, sc_ptr, qh_ptr, sh_ptr, M, F, stride_hm, stride_hk, rceil,
+    h_ptr, br_ptr, sr_ptr, qc_ptr, sc_ptr, qh_ptr, sh_ptr, M, F, stride_hm, stride_hk, rceil,
     SAVE_H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+    ROW_FP8: tl.constexpr = False, GROUP: tl.constexpr = 32,
 ):
     """h [M, 2F] bf16 (gate = h[:, :F], up = h[:, F:]) -> a = silu(gate) * up as BF16 MX values
     along F, br [M, F], plus a's FP8 copy along M, qc [F, M] + sc [F, M/32] (mx_qdq_kernel's
     ROW_BF16 + COL_FP8 outputs of a); a itself is never written. SAVE_H: also h quantized along
     2F, qh [M, 2F] E4M3 + sh [M, 2F/32] E8M0 (quantize_rowwise of h, bit for bit), from the same
-    read of h. Persistent, one-tile prefetch."""
+    read of h. Persistent, one-tile prefetch.
+    ROW_FP8: a's rows as E4M3 into br (uint8 [M, F]) + scales sr [M, F/32] instead of BF16 values
+    (quantize_dual of a; sr unused otherwise). GROUP 128: 1x128 / 128x1 groups for every output
+    (quantize_dual_128 of a, h's rows 1x128), BM and BK multiples of 128."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
@@ -549,11 +586,16 @@ def mx_swiglu_qdq_kernel(
         gate_next = _load_tile(h_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
         up_next = _load_tile(up_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
         a = _silu_mul_bf16(gate, up, SOFT_CVT)
-        _qdq_tile(a, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, F, rceil,
-                  True, False, True, False, BM, BK, SOFT_CVT)
+        if ROW_FP8:
+            _quantize_tile(a, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, F, 0, 0, rceil,
+                           True, True, False, 0, 0, BM, BK, SOFT_CVT, GROUP)
+        else:
+            _qdq_tile(a, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, F, rceil,
+                      True, False, True, False, BM, BK, SOFT_CVT)
         if SAVE_H:
-            _quantize_rows_into(gate, t, n_m, n_k, qh_ptr, sh_ptr, M, F, 2 * F, rceil, BM, BK, SOFT_CVT)
-            _quantize_rows_into(up, t, n_m, n_k, qh_ptr + F, sh_ptr + F // 32, M, F, 2 * F, rceil, BM, BK, SOFT_CVT)
+            _quantize_rows_into(gate, t, n_m, n_k, qh_ptr, sh_ptr, M, F, 2 * F, rceil, BM, BK, SOFT_CVT, GROUP)
+            _quantize_rows_into(up, t, n_m, n_k, qh_ptr + F, sh_ptr + F // 32, M, F, 2 * F, rceil, BM, BK, SOFT_CVT,
+                                GROUP)
         gate = gate_next
         up = up_next
         t += nprog
@@ -578,12 +620,16 @@ def _load_gathered_tile(x_ptr, src_ptr, t, total, n_m, n_k, M, K, T, stride_xm, 
 
 @triton.jit(do_not_specialize=["rceil"])
 def mx_permute_qdq_kernel(
-    x_ptr, src_ptr, br_ptr, qc_ptr, sc_ptr, M, K, T, stride_xm, stride_xk, rceil,
-    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+    x_ptr, src_ptr, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, T, stride_xm, stride_xk, rceil,
+    BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, ROW_FP8: tl.constexpr = False,
+    GROUP: tl.constexpr = 32,
 ):
     """x [T, K] (any strides) gathered by src [M] (int32/int64 token per row, -1: a zero row) into
     xp [M, K], xp never written: br [M, K] bf16 (xp's MX values along K) + qc [K, M] / sc [K, M/32]
-    (xp along M), i.e. mx_qdq_kernel's ROW_BF16 + COL_FP8 outputs of xp. Persistent, one-tile prefetch."""
+    (xp along M), i.e. mx_qdq_kernel's ROW_BF16 + COL_FP8 outputs of xp. Persistent, one-tile prefetch.
+    ROW_FP8: xp's rows as E4M3 into br (uint8 [M, K]) + scales sr [M, K/32] instead (quantize_dual of
+    xp; sr unused otherwise). GROUP 128: 1x128 / 128x1 groups (quantize_dual_128 of xp), BM and BK
+    multiples of 128."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_m = tl.cdiv(M, BM)
@@ -594,7 +640,11 @@ def mx_permute_qdq_kernel(
     while t < total:
         x_next = _load_gathered_tile(x_ptr, src_ptr, t + nprog, total, n_m, n_k, M, K, T, stride_xm, stride_xk,
                                      BM, BK)
-        _qdq_tile(x, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, K, rceil,
-                  True, False, True, False, BM, BK, SOFT_CVT)
+        if ROW_FP8:
+            _quantize_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, 0, 0, rceil,
+                           True, True, False, 0, 0, BM, BK, SOFT_CVT, GROUP)
+        else:
+            _qdq_tile(x, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, K, rceil,
+                      True, False, True, False, BM, BK, SOFT_CVT)
         x = x_next
         t += nprog

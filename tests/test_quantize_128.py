@@ -1,0 +1,396 @@
+"""Quantization kernels of the Hopper-fast recipe (DESIGN §9: 1x128 / 128x1 groups, 128x128 tiles) against
+the reference :func:`mxmoe.formats.quantize` with ``block=128`` / ``(128, 128)``, bit for bit (data and scale
+bytes, every scale layout).
+
+* CPU (CI): the Triton kernels under ``TRITON_INTERPRET=1``, all cases in ONE subprocess (the flag must be set
+  before triton is imported), each reported as its own test.
+* GPU (``-m gpu``): the same cases on CUDA (on sm_90 the column family runs the Gluon kernel), real shapes, and
+  the Gluon kernel against the Triton one (``MXMOE_QUANT_GLUON=0``).
+
+Inputs: ``wide_randn`` (random, never zero) with special 32-blocks (zero, subnormal, NaN, +-Inf, rceil mantissa
+boundary, FP32 max, huge/tiny; a NaN or Inf block makes its whole 128-group NaN) plus whole zero groups and
+tiles, odd row counts (partial row tiles), 3D weights, both rules, non-contiguous views.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (REPO, os.path.join(REPO, "tests")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from mxmoe.formats import quantize  # noqa: E402
+from test_quantize_kernels import (_ref_input, run_cases, run_interpreted_cases, same_bytes,  # noqa: E402
+                                   scale_ref, sm90_ref, wide_randn, with_special_blocks)
+
+RULES = ("rceil", "floor")
+LAYOUTS = ("row_major", "blocked", "sm90")
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def zero_groups(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """x with a few whole 128-groups along ``axis`` zeroed (the zero-group rule: scale byte 0, data 0)."""
+    xm = x.movedim(axis, -1).clone()
+    flat = xm.reshape(-1, xm.shape[-1])
+    ng = flat.shape[1] // 128
+    for i in range(min(3, flat.shape[0])):
+        r = (11 * i + 2) % flat.shape[0]
+        flat[r, ((3 * i) % ng) * 128:((3 * i) % ng + 1) * 128] = 0
+    return flat.reshape(xm.shape).movedim(-1, axis).contiguous()
+
+
+def special(x: torch.Tensor, *axes: int) -> torch.Tensor:
+    """x with special 32-blocks and zero groups along each of ``axes``."""
+    for a in axes:
+        x = zero_groups(with_special_blocks(x, a), a)
+    return x
+
+
+def ref(x, axis, rule, block=128):
+    return quantize(_ref_input(x), axis=axis, scale_rule=rule, block=block)
+
+
+def check_rowwise(Q, x, rule, layout, tag):
+    r = ref(x, -1, rule)
+    data, scale = Q.quantize_rowwise_128(x, rule, layout)
+    same_bytes(data, r.data, f"{tag} rowwise_128 data")
+    same_bytes(scale, scale_ref(r.scale, layout), f"{tag} rowwise_128 {layout} scale")
+    if layout == "row_major":
+        mx = Q.rowwise_mxtensor(data, scale, rule, (1, 128))
+        same_bytes(mx.dequantize().view(torch.int32), r.dequantize().view(torch.int32), f"{tag} rowwise_128 values")
+
+
+def check_columnwise(Q, x, rule, layout, tag):
+    c = ref(x, -2, rule)
+    data_t, scale_t = Q.quantize_columnwise_128(x, rule, layout)
+    same_bytes(data_t, c.data.mT, f"{tag} columnwise_128 data")
+    same_bytes(scale_t, scale_ref(c.scale.mT.contiguous(), layout), f"{tag} columnwise_128 {layout} scale")
+    if layout == "row_major":  # wraps as the logical [.., M, K] tensor, as today's columnwise storage
+        mx = Q.columnwise_mxtensor(data_t, scale_t, rule, (1, 128))
+        assert mx.axis == x.dim() - 2 and mx.block == (1, 128) and tuple(mx.shape) == tuple(x.shape)
+        same_bytes(mx.data.contiguous(), c.data, f"{tag} columnwise_128 MXTensor data")
+        same_bytes(mx.scale.contiguous(), c.scale, f"{tag} columnwise_128 MXTensor scale")
+
+
+def check_dual(Q, x, rule, layout, tag, out=None):
+    r, c = ref(x, -1, rule), ref(x, -2, rule)
+    d, s, dt, st = Q.quantize_dual_128(x, rule, layout) if out is None else out
+    same_bytes(d, r.data, f"{tag} dual_128 row data")
+    same_bytes(s, scale_ref(r.scale, layout), f"{tag} dual_128 row {layout} scale")
+    same_bytes(dt, c.data.mT, f"{tag} dual_128 col data")
+    same_bytes(st, scale_ref(c.scale.mT.contiguous(), layout), f"{tag} dual_128 col {layout} scale")
+
+
+def check_128x128(Q, w, rule, layout, tag, transposed=True):
+    r = ref(w, -1, rule, (128, 128))
+    out = Q.quantize_128x128(w, rule, layout, transposed)
+    assert len(out) == (4 if transposed else 2), tag
+    d, s = out[:2]
+    want_s = sm90_ref(r.scale[..., ::32, :]) if layout == "sm90" else scale_ref(r.scale, layout)
+    same_bytes(d, r.data, f"{tag} 128x128 data")
+    same_bytes(s, want_s, f"{tag} 128x128 {layout} scale")
+    if transposed:
+        c = ref(w, -2, rule, (128, 128))
+        st_ref = c.scale.mT.contiguous()  # [.., K, N/32]
+        want_st = sm90_ref(st_ref[..., ::32, :]) if layout == "sm90" else scale_ref(st_ref, layout)
+        same_bytes(out[2], c.data.mT, f"{tag} 128x128 transposed data")
+        same_bytes(out[2], d.mT, f"{tag} 128x128 transposed data == data.mT")
+        same_bytes(out[3], want_st, f"{tag} 128x128 transposed {layout} scale")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases: name -> fn(Q, device, gen). Small shapes: cheap under the interpreter.
+# ------------------------------------------------------------------------------------------------
+
+def _case_rowwise(Q, dev, gen):
+    for dt in DTYPES + (torch.float16,):
+        for rule in RULES:
+            x = wide_randn((100, 384), dt, "cpu", gen)  # 100 rows: a partial row tile
+            if dt != torch.float16:
+                x = special(x, -1)
+            for layout in LAYOUTS:
+                check_rowwise(Q, x.to(dev), rule, layout, f"{dt} {rule}")
+    w = special(wide_randn((3, 37, 256), torch.bfloat16, "cpu", gen), -1).to(dev)  # 3D, odd rows
+    for rule in RULES:
+        check_rowwise(Q, w, rule, "row_major", f"3D {rule}")
+        check_rowwise(Q, w, rule, "blocked", f"3D {rule}")
+
+
+def _case_columnwise(Q, dev, gen):
+    for dt in DTYPES:
+        for rule in RULES:
+            x = special(wide_randn((256, 96), dt, "cpu", gen), 0).to(dev)
+            for layout in LAYOUTS:
+                check_columnwise(Q, x, rule, layout, f"{dt} {rule}")
+    w = special(wide_randn((2, 128, 72), torch.bfloat16, "cpu", gen), 1).to(dev)
+    check_columnwise(Q, w, "floor", "row_major", "3D")
+
+
+def _case_dual(Q, dev, gen):
+    for dt in DTYPES:
+        for rule in RULES:
+            x = special(wide_randn((256, 384), dt, "cpu", gen), -1, 0).to(dev)
+            for layout in LAYOUTS:
+                check_dual(Q, x, rule, layout, f"{dt} {rule}")
+    w = wide_randn((2, 128, 256), torch.bfloat16, "cpu", gen)
+    w[1] = special(w[1], -1, 0)
+    check_dual(Q, w.to(dev), "rceil", "row_major", "3D")
+    check_dual(Q, w.to(dev), "floor", "blocked", "3D")
+
+
+def _case_128x128(Q, dev, gen):
+    for dt in DTYPES:
+        for rule in RULES:
+            w = wide_randn((2, 256, 384), dt, "cpu", gen)
+            w[0] = special(w[0], -1)
+            w[1, 128:, 256:] = 0  # a zero tile
+            w = w.to(dev)
+            for layout in LAYOUTS:
+                check_128x128(Q, w, rule, layout, f"{dt} {rule}")
+            check_128x128(Q, w[1], rule, "row_major", f"{dt} {rule} 2D")
+    # without the transposed copy N may end in a partial tile
+    w = special(wide_randn((2, 160, 256), torch.bfloat16, "cpu", gen), -1).to(dev)
+    for rule in RULES:
+        check_128x128(Q, w, rule, "row_major", f"N=160 {rule}", transposed=False)
+    check_128x128(Q, w[:, :128], "rceil", "blocked", "rows only", transposed=False)
+
+
+def _case_noncontiguous(Q, dev, gen):
+    base = special(wide_randn((256, 512), torch.bfloat16, "cpu", gen), -1, 0).to(dev)
+    xt = base.t()  # [512, 256], strides (1, 512)
+    check_rowwise(Q, xt, "rceil", "row_major", "transposed input")
+    check_columnwise(Q, xt, "floor", "row_major", "transposed input")
+    check_dual(Q, xt, "rceil", "row_major", "transposed input")
+    xs = base[:, ::2]  # [256, 256], stride 2 along K
+    check_dual(Q, xs, "floor", "row_major", "strided input")
+    check_128x128(Q, xs, "rceil", "row_major", "strided input")
+    check_rowwise(Q, base[:, 128:384], "rceil", "row_major", "column slice")
+    w = wide_randn((2, 256, 128), torch.float32, "cpu", gen).to(dev).transpose(1, 2)  # [2, 128, 256] K-strided
+    check_128x128(Q, w, "floor", "row_major", "transposed 3D weights")
+
+
+def _case_permute_128(Q, dev, gen):
+    """permute_quantize_128 = quantize_dual_128 of the gathered buffer x[src] (zero rows for src -1)."""
+    T, K, M = 150, 256, 384
+    for dt, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.bfloat16, "floor")):
+        x = special(wide_randn((T, K), dt, "cpu", gen), -1)
+        src = torch.randint(0, T, (M,), generator=gen)
+        src[torch.randperm(M, generator=gen)[:40]] = -1  # padding rows
+        src[256:] = -1  # a whole 128-row group of padding: zero groups along M
+        src[5] = T + 3  # outside [0, T): a zero row too
+        xp = torch.where(((src >= 0) & (src < T))[:, None], x[src.clamp(0, T - 1)], 0)
+        for s_dt in (torch.int32, torch.int64):
+            out = Q.permute_quantize_128(x.to(dev), src.to(s_dt).to(dev), rule)
+            check_dual(Q, xp, rule, "row_major", f"permute {dt} {rule} {s_dt}", out=out)
+    xt = wide_randn((K, T), torch.bfloat16, "cpu", gen).t()  # [T, K], strides (1, T)
+    src = torch.randint(-1, T, (128,), generator=gen, dtype=torch.int32)
+    xp = torch.where((src >= 0)[:, None], xt[src.clamp(0)], 0)
+    check_dual(Q, xp, "rceil", "row_major", "permute strided x", out=Q.permute_quantize_128(xt.to(dev), src.to(dev)))
+    out = Q.permute_quantize_128(xt[:0].to(dev), torch.full((128,), -1, dtype=torch.int32).to(dev))  # no tokens
+    check_dual(Q, torch.zeros(128, K, dtype=xt.dtype), "rceil", "row_major", "permute no tokens", out=out)
+
+
+def _case_swiglu_128(Q, dev, gen):
+    """swiglu_quantize_128 = quantize_dual_128 of F.silu(gate) * up (torch's BF16 math), h's rows 1x128."""
+    import torch.nn.functional as F
+
+    for M, f in ((256, 256), (128, 384)):
+        h = (wide_randn((M, 2 * f), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
+        h[3, 5] = float("nan")
+        h[4, f + 40] = float("inf")
+        h[5, :128] = 0  # a zero group of gate -> a zero group of a
+        h[6, f:f + 32] = 1e-39
+        h[:, 128:256][:128] = 0  # a zero 128x128 corner of gate: zero groups both ways
+        gate, up = h.to(dev).split(f, -1)
+        a = F.silu(gate) * up  # on the device: the kernel matches torch's math there (CUDA expf on the GPU)
+        for rule in RULES:
+            for save_h in (False, True):
+                out = Q.swiglu_quantize_128(h.to(dev), rule, save_h)
+                check_dual(Q, a, rule, "row_major", f"swiglu {M}x{f} {rule}", out=out[:4])
+                if save_h:
+                    hq = ref(h, -1, rule)
+                    same_bytes(out[4], hq.data, f"swiglu h data {rule}")
+                    same_bytes(out[5], hq.scale, f"swiglu h scale {rule}")
+                else:
+                    assert out[4].numel() == out[5].numel() == 0
+    wide = (wide_randn((128, 1024), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
+    h = wide[:, 256:768]  # a column slice: row stride 1024
+    gate, up = h.to(dev).split(256, -1)
+    out = Q.swiglu_quantize_128(h.to(dev), "rceil", True)
+    check_dual(Q, F.silu(gate) * up, "rceil", "row_major", "swiglu strided h", out=out[:4])
+    same_bytes(out[4], ref(h, -1, "rceil").data, "swiglu strided h data")
+
+
+CASES = {
+    "rowwise_128": _case_rowwise,
+    "columnwise_128": _case_columnwise,
+    "dual_128": _case_dual,
+    "128x128": _case_128x128,
+    "noncontiguous_128": _case_noncontiguous,
+    "permute_128": _case_permute_128,
+    "swiglu_128": _case_swiglu_128,
+}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return run_interpreted_cases(__file__, timeout=900)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interpreter(interpreter_results, case):
+    err = interpreter_results[case]
+    assert err is None, err
+
+
+def test_input_errors():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("CPU tensors are accepted by the interpreter")
+    from mxmoe.kernels import quantize as Q
+
+    meta = {"device": "meta"}
+    with pytest.raises(ValueError, match="CUDA"):
+        Q.quantize_rowwise_128(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.quantize_rowwise_128(torch.randn(64, 96, **meta))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.quantize_columnwise_128(torch.randn(96, 128, **meta))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.quantize_dual_128(torch.randn(128, 224, **meta))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.quantize_128x128(torch.randn(2, 160, 256, **meta))  # the transposed copy needs whole tiles along N
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.quantize_128x128(torch.randn(2, 128, 160, **meta), transposed=False)
+    with pytest.raises(TypeError, match="dtype"):
+        Q.quantize_dual_128(torch.randn(128, 128, **meta).to(torch.int32))
+    src = torch.zeros(192, dtype=torch.int32, **meta)
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.permute_quantize_128(torch.randn(10, 128, **meta), src)
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.permute_quantize_128(torch.randn(10, 96, **meta), src[:128])
+    with pytest.raises(TypeError, match="src"):
+        Q.permute_quantize_128(torch.randn(10, 128, **meta), src[:128].float())
+    with pytest.raises(ValueError, match="F % 128"):
+        Q.swiglu_quantize_128(torch.randn(128, 192, **meta).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.swiglu_quantize_128(torch.randn(96, 256, **meta).to(torch.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16"):
+        Q.swiglu_quantize_128(torch.randn(128, 256, **meta))
+
+
+def test_tile_configs_fit_the_groups():
+    """Every GROUP 128 launch config holds whole groups: BK % 128 == 0 with a row output, BM % 128 == 0
+    with a column output or tiles."""
+    from mxmoe.kernels import quantize as Q
+
+    for key, cfg in Q._DEFAULT_128.items():
+        cfg = Q._TUNED.get(key) or cfg
+        row, col = "row" in key, key.startswith("col")
+        if row:
+            assert cfg.BK % 128 == 0, key
+        if col or "128x128" in key:
+            assert cfg.BM % 128 == 0, key
+    for (fam, width), g in Q._GLUON_TILES.items():  # the Gluon kernel with GROUP 128
+        assert g["MB"] % 4 == 0, (fam, width)
+        if fam == "dual":
+            assert g["BK"] % 128 == 0, (fam, width)
+    for save_h, g in Q._GLUON_TILES_SWIGLU.items():  # the SwiGLU input mode: dual outputs, 128 groups
+        assert Q._gluon_tile_fits(**g) and g["MB"] % 4 == 0 and g["BK"] % 128 == 0, save_h
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_cases(case):
+    from mxmoe.kernels import quantize as Q
+    from test_quantize_kernels import _poison_cuda_cache
+
+    _poison_cuda_cache()
+    CASES[case](Q, "cuda", torch.Generator().manual_seed(4321 + len(case)))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_real_shapes(dtype):
+    """Activations 4096 x 7168 and weights 4 x 1536 x 2048, every 128 kernel, both rules, bit-exact."""
+    from mxmoe.kernels import quantize as Q
+
+    gen = torch.Generator().manual_seed(8)
+    x = special(wide_randn((4096, 7168), dtype, "cpu", gen), -1).cuda()
+    w = wide_randn((4, 1536, 2048), dtype, "cpu", gen).cuda()
+    for rule in RULES:
+        check_rowwise(Q, x, rule, "row_major", "act")
+        check_columnwise(Q, x, rule, "row_major", "act")
+        check_dual(Q, x, rule, "row_major", "act")
+        check_dual(Q, x, rule, "blocked", "act")
+        check_128x128(Q, w, rule, "row_major", "weights")
+        check_128x128(Q, w, rule, "sm90", "weights")
+        check_128x128(Q, w, rule, "row_major", "weights rows only", transposed=False)
+        src = torch.randint(-1, 4096, (8192,), generator=gen).cuda()  # top-2 of 4096 tokens
+        xp = torch.where((src >= 0)[:, None], x[src.clamp(0)], 0)
+        check_dual(Q, xp, rule, "row_major", "permute", out=Q.permute_quantize_128(x, src, rule))
+    if dtype != torch.bfloat16:
+        return
+    import torch.nn.functional as F
+
+    h = (wide_randn((4096, 2 * 2048), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16).cuda()
+    a = F.silu(h[:, :2048]) * h[:, 2048:]
+    for rule in RULES:
+        out = Q.swiglu_quantize_128(h, rule, True)
+        check_dual(Q, a, rule, "row_major", "swiglu", out=out[:4])
+        same_bytes(out[4], ref(h, -1, rule).data, "swiglu h data")
+        same_bytes(out[5], ref(h, -1, rule).scale, "swiglu h scale")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_gluon_equals_triton(monkeypatch):
+    """On sm_90 the column family runs the Gluon kernel with GROUP 128: the same bytes as the Triton kernel
+    (MXMOE_QUANT_GLUON=0) on tile-edge shapes, batches, FP16/FP32 and strided rows."""
+    from mxmoe.kernels import quantize as Q
+
+    gen = torch.Generator().manual_seed(9)
+    def both(fn, *args, tag):
+        monkeypatch.setenv("MXMOE_QUANT_GLUON", "1")
+        got = fn(*args)
+        monkeypatch.setenv("MXMOE_QUANT_GLUON", "0")
+        want = fn(*args)
+        assert len(got) == len(want), tag
+        for g, w_ in zip(got, want):
+            same_bytes(g, w_, f"{fn.__name__} {tag}: gluon vs triton")
+
+    for shape, dt in (((384, 640), torch.bfloat16), ((2, 256, 384), torch.float16), ((640, 256), torch.float32)):
+        x = special(wide_randn(shape, dt, "cpu", gen), -1, -2).cuda()
+        for xin in (x, x[..., : shape[-1] // 2] if shape[-1] % 256 == 0 else x):
+            for fn in (Q.quantize_columnwise_128, Q.quantize_dual_128, Q.quantize_128x128):
+                for rule in RULES:
+                    both(fn, xin, rule, tag=f"{tuple(xin.shape)} {dt} {rule}")
+        if x.dim() == 2:  # the fused input modes: gathered rows, SwiGLU (bf16)
+            src = torch.randint(-1, x.shape[0] + 2, (512,), generator=gen).cuda()
+            both(Q.permute_quantize_128, x, src, "rceil", tag=f"{dt}")
+            both(Q.permute_quantize_128, x[:, :128], src.int(), "floor", tag=f"{dt} column slice")
+    h = (special(wide_randn((384, 1024), torch.float32, "cpu", gen), -1) * 2.0**-6).to(torch.bfloat16).cuda()
+    for rule in RULES:
+        for save_h in (False, True):
+            both(Q.swiglu_quantize_128, h, rule, save_h, tag=f"{rule} save_h={save_h}")
+            both(Q.swiglu_quantize_128, h[:, 256:768], rule, save_h, tag=f"{rule} save_h={save_h} column slice")
+
+
+if __name__ == "__main__" and "--cases" in sys.argv:
+    results = run_cases("cpu", CASES)
+    print("RESULTS " + json.dumps(results))
