@@ -35,6 +35,20 @@ Kernel structure (one kernel serves both forms; ``K_GROUPED`` picks the tile map
     8-warp partition instead: measured the same). Registers per consumer thread: accumulator + 2
     partials = 192 FP32.
 
+The mx128 mode (``SG=4``; :func:`sm90_mx128_m_grouped_gemm`, :func:`sm90_mx128_k_grouped_gemm`, recipe
+``mxfp8_128``, DESIGN §9): activations / gradients with one scale per 128 of the contraction dim, weights
+one per 128x128 tile (M-grouped), or both operands one per 128 tokens (K-grouped). The same producer,
+scheduler and epilogue; the consumer's K loop (``_mainloop128``) issues each 128-deep stage as ONE wgmma
+call (four m64n128k32 chained in the tensor core into a fresh partial) and promotes once per stage::
+
+    chains of CHAIN stages: stage j -> partial j % 2 (async); retire stage j-1 (wait(1)); promote it:
+        M-grouped acc += P * (sa[m] * sb)      (sb one value per 128x128 tile: 1 FFMA per element)
+        K-grouped acc += P * (sa[n] * sb[k])   (FMUL + FFMA per element)
+    last stage of the chain: wait(0) (nothing in flight at the back-edge), promote
+
+measured FP32-output error 1.2-2.7e-4 against FP64 (the tensor core's 128-deep FP8 sums); scale layouts:
+:func:`sm90_mx128_scale_layouts`.
+
 Tile order (the "scheduler"): tiles are numbered expert by expert; inside an expert's
 sub-problem (m-tiles x n-tiles) tiles are ordered in supergroups of ``GROUP_M`` m-tiles
 (expert-wise supergrouping: concurrently running CTAs share one expert's B tiles in L2).

@@ -16,6 +16,9 @@ Budgets that fix the choices (H200 / sm_90):
   32x32 weights, whose promotion is cheap, take BK = 256 x 2 stages (64 KB of A and B tiles plus
   4.25 KB of scale boxes per stage, + 32 KB staging; ptxas reports 169 KB): half the drains (see
   :func:`sm90_tile_config`).
+* mx128 mode (1x128 / 128x128 scale groups): BN = BK = 128 so a tile lies in one weight tile and a stage
+  is one promotion; 4 stages (5 would leave FP32 output no room for the TMA-store buffer); ``chain`` 4
+  stages per wgmma drain (chain 2 measured equal on Mixtral, 4 has half the drains).
 * split_wg: each consumer warpgroup is its own partition (own barriers); measured equal to one
   8-warp partition on the H200 (benchmarks/NOTES_grouped_gemm.md), kept for the independence.
 """
