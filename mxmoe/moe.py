@@ -26,6 +26,7 @@ from torch import nn
 from mxmoe.backend import Backend, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
+from mxmoe.ops.linear import MXOperands
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -40,6 +41,17 @@ class Routing:
     rows: int  # M, static padded buffer size
     counts: torch.Tensor  # [E] int64 routed tokens per expert (unpadded)
     backend: Backend  # the kernels of this forward (and its backward), resolved once from x's device
+
+
+def _prequantized(x_mx: "MXTensor | MXOperands | None") -> dict:
+    """grouped_linear's ``x_mx`` / ``x_wgrad`` for an operand's upstream MXFP8 copies: an MXTensor along
+    the features (axis 1, e.g. tokens received in MXFP8) is fprop's, one along rows (axis 0, beside the
+    BF16 MX values) wgrad's, and :class:`~mxmoe.ops.linear.MXOperands` give both."""
+    if isinstance(x_mx, MXOperands):
+        return {"x_mx": x_mx.fprop, "x_wgrad": x_mx.wgrad}
+    if x_mx is not None and x_mx.axis == 0:
+        return {"x_mx": None, "x_wgrad": x_mx}
+    return {"x_mx": x_mx, "x_wgrad": None}
 
 
 def padded_rows(num_slots: int, num_experts: int, align: int) -> int:
@@ -191,12 +203,11 @@ class MoE(nn.Module):
         uses it; along rows, xp is its BF16 MX values and wgrad uses it. ``backend``: the kernels
         (:func:`mxmoe.backend.resolve` of xp's device by default)."""
         be = backend or resolve(xp.device)
-        x_wgrad = x_mx if x_mx is not None and x_mx.axis == 0 else None
-        x_mx = None if x_wgrad is not None else x_mx
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad,
+        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, **_prequantized(x_mx),
                            backend=be)  # [M, 2F]
-        a, a_wgrad = swiglu(h, self.recipe, self.w2, backend=be)  # expansion route: fused with a's quantization
-        return grouped_linear(a, self.w2, offs, self.recipe, validate=False, x_wgrad=a_wgrad, backend=be)  # [M, D]
+        a, a_mx = swiglu(h, self.recipe, self.w2, backend=be)  # fused with a's quantization where the route allows
+        return grouped_linear(a, self.w2, offs, self.recipe, validate=False, **_prequantized(a_mx),
+                              backend=be)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype.

@@ -29,59 +29,72 @@ _QUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block, be: Backend):
     """Fast-path quantization of a CUDA tensor, or None where no kernel covers the case.
 
-    Covered: 2D/3D bf16/fp16/fp32 along either of the last two dims, 1x32 or 32x32 blocks (32x32
-    with both of the last two dims divisible by 32). Quantization along dim -2 returns the
-    K-major storage (data ``[.., K, M]``) viewed as the logical ``[.., M, K]`` tensor.
+    Covered: 2D/3D bf16/fp16/fp32 along either of the last two dims, with 1x32 or 1x128 groups, or
+    32x32 / 128x128 tiles (both of the last two dims whole tiles). Quantization along dim -2 returns
+    the K-major storage (data ``[.., K, M]``) viewed as the logical ``[.., M, K]`` tensor.
     """
-    from mxmoe.formats import BLOCK, normalize_block
+    from mxmoe.formats import normalize_block
 
     block = normalize_block(block)
-    if block not in ((1, BLOCK), (BLOCK, BLOCK)):
-        return None
+    tile, group = block
     if x.dim() not in (2, 3) or x.dtype not in _QUANT_DTYPES or not be.kernels:
         return None
     nd, axis = x.dim(), axis % x.dim()
-    if axis not in (nd - 1, nd - 2) or x.shape[axis] % BLOCK:
+    if axis not in (nd - 1, nd - 2) or x.shape[axis] % group:
         return None
     from mxmoe.kernels import quantize as q
 
     ops = _ops()
-    if block == (1, BLOCK):
+    if tile == 1:
         if axis == nd - 1:
-            return q.rowwise_mxtensor(*ops.quantize_rowwise(x, scale_rule), scale_rule)
-        return q.columnwise_mxtensor(*ops.quantize_columnwise(x, scale_rule), scale_rule)
-    if x.shape[-1] % BLOCK or x.shape[-2] % BLOCK:
+            fn = ops.quantize_rowwise if group == 32 else ops.quantize_rowwise_128
+            return q.rowwise_mxtensor(*fn(x, scale_rule), scale_rule, block)
+        fn = ops.quantize_columnwise if group == 32 else ops.quantize_columnwise_128
+        return q.columnwise_mxtensor(*fn(x, scale_rule), scale_rule, block)
+    if x.shape[-1] % tile or x.shape[-2] % tile:
         return None
-    data, scale, data_t, scale_t = ops.quantize_32x32(x, scale_rule)
+    data, scale, data_t, scale_t = (ops.quantize_32x32 if tile == 32 else ops.quantize_128x128)(x, scale_rule)
     if axis == nd - 1:
-        return q.rowwise_mxtensor(data, scale, scale_rule, (BLOCK, BLOCK))
-    return q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK))
+        return q.rowwise_mxtensor(data, scale, scale_rule, block)
+    return q.columnwise_mxtensor(data_t, scale_t, scale_rule, block)
 
 
 def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int, be: Backend):
-    """2D ``[M, K]`` along K and along M in 1 x ``group`` blocks from one read, or None."""
-    from mxmoe.formats import BLOCK
-
-    if group != BLOCK or x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % BLOCK or x.shape[1] % BLOCK or not be.kernels:
+    """2D ``[M, K]`` along K and along M in 1 x ``group`` blocks (32 or 128) from one read, or None."""
+    if (x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % group or x.shape[1] % group
+            or not be.kernels):
         return None
     from mxmoe.kernels import quantize as q
 
-    data, scale, data_t, scale_t = _ops().quantize_dual(x, scale_rule)
-    return q.rowwise_mxtensor(data, scale, scale_rule), q.columnwise_mxtensor(data_t, scale_t, scale_rule)
+    data, scale, data_t, scale_t = (_ops().quantize_dual if group == 32 else _ops().quantize_dual_128)(x, scale_rule)
+    block = (1, group)
+    return q.rowwise_mxtensor(data, scale, scale_rule, block), q.columnwise_mxtensor(data_t, scale_t, scale_rule, block)
 
 
 def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str, tile: int, be: Backend):
-    """``tile`` x ``tile`` block weights ``[E, N, K]`` in both orientations from one read: (along K,
-    along N), or None."""
-    from mxmoe.formats import BLOCK
-
-    if tile != BLOCK or w.dim() != 3 or w.dtype not in _QUANT_DTYPES or w.shape[-1] % BLOCK or w.shape[-2] % BLOCK or not be.kernels:
+    """``tile`` x ``tile`` block weights ``[E, N, K]`` (32 or 128) in both orientations from one read:
+    (along K, along N), or None."""
+    if w.dim() != 3 or w.dtype not in _QUANT_DTYPES or w.shape[-1] % tile or w.shape[-2] % tile or not be.kernels:
         return None
     from mxmoe.kernels import quantize as q
 
-    data, scale, data_t, scale_t = _ops().quantize_32x32(w, scale_rule)
-    return (q.rowwise_mxtensor(data, scale, scale_rule, (BLOCK, BLOCK)),
-            q.columnwise_mxtensor(data_t, scale_t, scale_rule, (BLOCK, BLOCK)))
+    data, scale, data_t, scale_t = (_ops().quantize_32x32 if tile == 32 else _ops().quantize_128x128)(w, scale_rule)
+    block = (tile, tile)
+    return (q.rowwise_mxtensor(data, scale, scale_rule, block),
+            q.columnwise_mxtensor(data_t, scale_t, scale_rule, block))
+
+
+def permute_quantize_128(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
+    """Tokens ``x [T, K]`` gathered by ``src [M]`` (token per row, -1: zero row) and quantized both ways in
+    1x128 / 128x1 groups without writing the buffer: (data ``[M, K]``, scale ``[M, K/32]``, data_t
+    ``[K, M]``, scale_t ``[K, M/32]``)."""
+    return _ops().permute_quantize_128(x, src, scale_rule)
+
+
+def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool):
+    """``h [M, 2F]`` bf16 -> ``a = silu(gate) * up`` quantized both ways in 1x128 / 128x1 groups (a never
+    written), then with ``save_h`` h along 2F in 1x128 groups (else two empty tensors)."""
+    return _ops().swiglu_quantize_128(h, scale_rule, save_h)
 
 
 # The Hopper default route for 1x32 / 32x32 operands is the expansion (mxmoe.backend: MXMOE_SM90_GEMM=auto).

@@ -12,6 +12,10 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``quantize_columnwise``     x ``[..., M, K]`` -> data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``
 ``quantize_dual``           both of the above, from one read
 ``quantize_32x32``          (data, scale, data_t, scale_t), one scale per 32x32 tile
+``quantize_*_128``          the same with 1x128 groups (rowwise, columnwise, dual) or 128x128 tiles
+``permute_quantize_128``    (x ``[T, K]``, src ``[M]`` int) -> quantize_dual_128 of ``x[src]`` (src -1: zero row)
+``swiglu_quantize_128``     (h ``[M, 2F]`` bf16, rule, save_h) -> quantize_dual_128 of ``silu(h[:, :F]) * h[:, F:]``,
+                            + h quantized along 2F in 1x128 groups (data, scale) if save_h, else two empty tensors
 ``dequantize_bf16``         (data ``[..., R, C]``, scale ``[..., R, C/32]``) -> bf16 ``[..., R, C]``
 ``qdq_rowwise``             (x ``[..., M, K]``, rule, tile32) -> bf16 ``[..., M, K]``: MX values along K
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
@@ -90,6 +94,50 @@ def quantize_32x32(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torc
     from mxmoe.kernels import quantize as q
 
     return tuple(q.quantize_32x32(x, scale_rule))
+
+
+@_op
+def quantize_rowwise_128(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return q.quantize_rowwise_128(x, scale_rule)
+
+
+@_op
+def quantize_columnwise_128(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return q.quantize_columnwise_128(x, scale_rule)
+
+
+@_op
+def quantize_dual_128(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.quantize_dual_128(x, scale_rule))
+
+
+@_op
+def quantize_128x128(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.quantize_128x128(x, scale_rule))
+
+
+@_op
+def permute_quantize_128(x: torch.Tensor, src: torch.Tensor,
+                         scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.permute_quantize_128(x, src, scale_rule))
+
+
+@_op
+def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.swiglu_quantize_128(h, scale_rule, save_h))
 
 
 @_op
@@ -226,6 +274,16 @@ quantize_rowwise.register_fake(lambda x, scale_rule: _row(x))
 quantize_columnwise.register_fake(lambda x, scale_rule: _col(x))
 quantize_dual.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 quantize_32x32.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
+quantize_rowwise_128.register_fake(lambda x, scale_rule: _row(x))
+quantize_columnwise_128.register_fake(lambda x, scale_rule: _col(x))
+quantize_dual_128.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
+quantize_128x128.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
+permute_quantize_128.register_fake(lambda x, src, scale_rule: (
+    *_row(x.new_empty((src.shape[0], x.shape[1]))), *_col(x.new_empty((src.shape[0], x.shape[1])))))
+swiglu_quantize_128.register_fake(lambda h, scale_rule, save_h: (
+    *_row(h.new_empty((h.shape[0], h.shape[1] // 2))), *_col(h.new_empty((h.shape[0], h.shape[1] // 2))),
+    h.new_empty(h.shape if save_h else (0,), dtype=E4M3),
+    h.new_empty((h.shape[0], h.shape[1] // 32) if save_h else (0,), dtype=E8M0)))
 dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dtype=torch.bfloat16))
 qdq_rowwise.register_fake(lambda x, scale_rule, tile32=False: _bf16(x))
 qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))

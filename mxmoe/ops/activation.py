@@ -9,10 +9,33 @@ from torch.autograd.function import once_differentiable
 from mxmoe.backend import Backend, resolve
 from mxmoe.formats import BLOCK, MXTensor
 from mxmoe.kernels.dispatch import layer_ops_for
-from mxmoe.ops.linear import fused_qdq
+from mxmoe.ops.linear import MXOperands, fused_fp8, fused_qdq, grad_handle
 from mxmoe.ops.quantization import quantize
 from mxmoe.ops.saved import pack, unpack
 from mxmoe.recipes import Recipe, get_recipe
+
+
+class _SwiGLUQuantize128(torch.autograd.Function):
+    """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual FP8 quantization in 1x128 /
+    128x1 groups (forward: one read of h, a never written; returns a's zero-stride autograd handle and
+    the four FP8 outputs); backward: the torch SwiGLU gradient from h (kept as is, or with ``save_h_fp8``
+    as MXFP8 along 2F in 1x128 groups written by the same read)."""
+
+    @staticmethod
+    def forward(ctx, h, scale_rule: str, save_h_fp8: bool, be: Backend):
+        from mxmoe.kernels import dispatch
+
+        data, scale, data_t, scale_t, qh, sh = dispatch.swiglu_quantize_128(h, scale_rule, save_h_fp8)
+        hs, ctx.h_meta = pack(MXTensor(qh, sh, 1, scale_rule, (1, 128)) if save_h_fp8 else h)
+        ctx.save_for_backward(*hs)
+        ctx.be = be
+        ctx.mark_non_differentiable(data, scale, data_t, scale_t)
+        return grad_handle(h, h.shape[0], h.shape[1] // 2), data, scale, data_t, scale_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, da, *_):
+        return _swiglu_backward(da, unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None, None
 
 
 class _SwiGLUQDQ(torch.autograd.Function):
@@ -90,8 +113,12 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
     Returns ``(a, a_wgrad)``. Where that product takes the Hopper expansion route (CUDA, bf16 h,
     an MXFP8 recipe with MX wgrad, ``M % 32 == F % 32 == 0``) one fused kernel returns ``a`` as its
     BF16 MX values along F (``qdq_rowwise(F.silu(gate) * up)`` bit for bit) and ``a_wgrad`` its FP8
-    copy along tokens: pass both to :func:`grouped_linear` (``x_wgrad=a_wgrad``). Elsewhere
-    ``(F.silu(gate) * up, None)``. Gradients flow to h either way.
+    copy along tokens: pass both to :func:`grouped_linear` (``x_wgrad=a_wgrad``). Where it takes the
+    Hopper promote-per-128 route (``mxfp8_128``, bf16 h, ``M % 128 == F % 128 == 0``) one fused kernel
+    writes only FP8: ``a`` is a zero-stride autograd handle and the second item an
+    :class:`~mxmoe.ops.linear.MXOperands` (a along F and along tokens; pass them as ``x_mx`` and
+    ``x_wgrad`` with ``validate=False``). Elsewhere ``(F.silu(gate) * up, None)``. Gradients flow to h
+    either way.
 
     Under a recipe with ``swiglu_input_fp8`` (and ``F % 32 == 0``) h is kept for backward as MXFP8
     along 2F, not BF16 (on the fused path written by the same kernel, from the same read of h), and
@@ -109,6 +136,12 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
     # (only when a backward will need h: no extra quantization under no_grad / for inference)
     save_fp8 = recipe.swiglu_input_fp8 and f % BLOCK == 0 and h.requires_grad and torch.is_grad_enabled()
     be = backend or resolve(h.device)
+    if fused_fp8(h, h.shape[0], f, recipe, w_next, be):
+        from mxmoe.kernels.quantize import columnwise_mxtensor, rowwise_mxtensor
+
+        g, rule = (1, 128), recipe.scale_rule
+        handle, data, scale, data_t, scale_t = _SwiGLUQuantize128.apply(h, rule, save_fp8, be)
+        return handle, MXOperands(rowwise_mxtensor(data, scale, rule, g), columnwise_mxtensor(data_t, scale_t, rule, g))
     if fused_qdq(h, h.shape[0], f, recipe, w_next, be):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 

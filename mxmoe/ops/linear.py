@@ -4,6 +4,8 @@ under an MXFP8 recipe (DESIGN §4)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -117,12 +119,11 @@ class _MXGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend):
         rule, g = recipe.scale_rule, recipe.act_block
         exp = _expansion(x, w, recipe, be)
-        x_saved = None
-        if x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
-            xq = x.detach() if exp else quantize(x, -1, rule, g, backend=be)  # requantizing MX values: lossless
-            x_saved = x_wgrad
-        elif x_mx is not None:
+        x_saved = x_wgrad
+        if x_mx is not None:  # (with x_wgrad too: x is only the autograd handle, see MXOperands)
             xq = x_mx
+        elif x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
+            xq = x.detach() if exp else quantize(x, -1, rule, g, backend=be)  # requantizing MX values: lossless
         elif recipe.wgrad_mxfp8 and x.shape[0] % g == 0:  # fprop (along K) + wgrad (along tokens) operands
             xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule, g, be)
         else:
@@ -292,6 +293,33 @@ class _ToBF16(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         return (ctx.ops.to_float32(g) if ctx.ops is not None else g.float()), None
+
+
+class MXOperands(NamedTuple):
+    """Both MXFP8 copies of an expert product's input, made upstream by a fused kernel (the permutation
+    or the SwiGLU) from one read: ``fprop`` along the features (the fprop operand, ``[M, K]``, axis 1) and
+    ``wgrad`` along tokens (``[M, K]``, axis 0). The BF16 input itself is never written: the tensor that
+    travels beside them is a zero-stride autograd handle of its shape (its gradient flows back through
+    the fused kernel's backward)."""
+
+    fprop: MXTensor
+    wgrad: MXTensor
+
+
+def grad_handle(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` zero-stride tensor in ``like``'s dtype and device: the autograd handle of an
+    operand that exists only as :class:`MXOperands` (one element of storage)."""
+    return like.new_zeros(()).expand(rows, cols)
+
+
+def fused_fp8(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: torch.Tensor | None,
+              be: Backend) -> bool:
+    """Whether a fused kernel may hand the product with ``w_next`` its ``[rows, cols]`` operand as
+    :class:`MXOperands` (FP8 both ways, 1x128 groups): that product takes the Hopper promote-per-128
+    route (``mxfp8_128`` with MX wgrad), x is 2D bfloat16 on CUDA, and both sizes are whole 128-groups."""
+    return (w_next is not None and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and recipe.mxfp8
+            and recipe.act_block == 128 and recipe.wgrad_mxfp8 and rows % 128 == 0 and cols % 128 == 0
+            and be.kernels and be.recipe_routes(recipe)["fprop"] == "sm90_128")
 
 
 def fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: torch.Tensor | None,

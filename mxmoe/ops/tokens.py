@@ -8,8 +8,32 @@ from torch.autograd.function import once_differentiable
 
 from mxmoe.backend import Backend, resolve
 from mxmoe.kernels.dispatch import layer_ops_for
-from mxmoe.ops.linear import fused_qdq
+from mxmoe.ops.linear import MXOperands, fused_fp8, fused_qdq, grad_handle
 from mxmoe.recipes import Recipe, get_recipe
+
+
+class _PermuteQuantize128(torch.autograd.Function):
+    """Tokens ``x2 [T, D]`` gathered into the expert-ordered buffer fused with its dual FP8 quantization
+    in 1x128 / 128x1 groups (forward: one read of x2, the buffer never written; returns the zero-stride
+    handle of the buffer and the four FP8 outputs); backward: the gather's gradient (each token sums its
+    top_k slots' rows), quantization straight-through."""
+
+    @staticmethod
+    def forward(ctx, x2, slot_rows, rows: int, top_k: int, scale_rule: str, be: Backend):
+        from mxmoe.kernels import dispatch
+
+        src = row_tokens(slot_rows, rows, top_k)
+        data, scale, data_t, scale_t = dispatch.permute_quantize_128(x2, src, scale_rule)
+        ctx.save_for_backward(slot_rows)
+        ctx.top_k, ctx.be = top_k, be
+        ctx.mark_non_differentiable(data, scale, data_t, scale_t)
+        return grad_handle(x2, rows, x2.shape[1]), data, scale, data_t, scale_t
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dxp, *_):
+        (slot_rows,) = ctx.saved_tensors
+        return _permute_backward(dxp, slot_rows, ctx.top_k, ctx.be), None, None, None, None, None
 
 
 class _PermuteQDQ(torch.autograd.Function):
@@ -164,7 +188,11 @@ def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: 
     Returns ``(xp, xp_wgrad)``. Where that product takes the Hopper expansion route (CUDA, bf16 x2,
     an MXFP8 recipe with MX wgrad, ``rows % 32 == D % 32 == 0``) one fused kernel returns ``xp`` as
     its BF16 MX values along D (``qdq_dual(xp)[0]`` bit for bit) and ``xp_wgrad`` its FP8 copy along
-    rows: pass both to :func:`grouped_linear` (``x_wgrad=xp_wgrad``). Elsewhere ``(xp, None)``, xp
+    rows: pass both to :func:`grouped_linear` (``x_wgrad=xp_wgrad``). Where it takes the Hopper
+    promote-per-128 route (``mxfp8_128``, bf16 x2, ``rows % 128 == D % 128 == 0``) one fused kernel
+    writes only FP8: ``xp`` is then a zero-stride autograd handle and the second item an
+    :class:`~mxmoe.ops.linear.MXOperands` (xp along D and along rows; pass them as ``x_mx`` and
+    ``x_wgrad`` with ``validate=False``). Elsewhere ``(xp, None)``, xp
     gathered by the layer's gather kernel on CUDA, by ``repeat_interleave`` + ``index_copy`` on the CPU
     (the same values). Gradients flow to x2 either way, the same bits.
 
@@ -178,6 +206,12 @@ def permute_tokens(x2: torch.Tensor, slot_rows: torch.Tensor, rows: int, top_k: 
                          f"{tuple(slot_rows.shape)} with top_k={top_k}")
     D = x2.shape[-1]
     be = backend or resolve(x2.device)
+    if be.fused_permute and fused_fp8(x2, rows, D, recipe, w_next, be):
+        from mxmoe.kernels.quantize import columnwise_mxtensor, rowwise_mxtensor
+
+        g, rule = (1, 128), recipe.scale_rule
+        handle, data, scale, data_t, scale_t = _PermuteQuantize128.apply(x2, slot_rows, rows, top_k, rule, be)
+        return handle, MXOperands(rowwise_mxtensor(data, scale, rule, g), columnwise_mxtensor(data_t, scale_t, rule, g))
     if be.fused_permute and fused_qdq(x2, rows, D, recipe, w_next, be):
         from mxmoe.kernels.quantize import columnwise_mxtensor
 
