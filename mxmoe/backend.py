@@ -169,3 +169,7 @@ def describe(device: "torch.device | str | None" = None) -> str:
         lines.append(f"{name:<18} {routes['fprop']:<12} {routes['dgrad']:<12} {routes['wgrad']:<26} "
                      f"{'yes' if be.expansion(r) else 'no'}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m mxmoe.backend: the routes on this machine
+    print(describe())
