@@ -81,7 +81,7 @@ class Recipe:
         ``mxfp8_128``); BF16 operands need 16-byte rows."""
         g = self.scale_groups
         if self.mxfp8 and (dim % g or ffn_dim % g):
-            raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by {g} (MXFP8 blocks), "
+            raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by {g} (MXFP8 scale groups), "
                              f"got {dim} and {ffn_dim}")
         if self.compute_dtype == "bfloat16" and (dim % 8 or ffn_dim % 8):
             raise ValueError(f"the {self.name} recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), "

@@ -203,7 +203,7 @@ def test_gpu_moe_layer_128_matches_reference_path():
 
     def run(device):
         m = moe.to(device)
-        xr = x.to(device).requires_grad_()
+        xr = x.clone().to(device).requires_grad_()
         m.zero_grad(set_to_none=True)
         out = m(xr)
         out.backward(dy.to(device))

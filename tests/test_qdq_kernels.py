@@ -99,7 +99,7 @@ for dtype in (torch.bfloat16, torch.float32, torch.float16):
 # SwiGLU fused with the dual QDQ of its output, and its autograd backward
 import torch.nn.functional as F
 from mxmoe import ops
-from mxmoe.ops import activation, linear, tokens  # noqa: F401
+from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
 for M, f in ((96, 160), (64, 256)):
     h = (wide_randn((M, 2 * f), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
     h[3, 5] = float("nan"); h[4, f + 40] = float("inf"); h[5, :32] = 0; h[6, f:f + 32] = 1e-39
@@ -157,7 +157,7 @@ def test_qdq_kernels_interpreter():
 
 PERMUTE_CHECK = r"""
 from mxmoe import ops
-from mxmoe.ops import activation, linear, tokens  # noqa: F401
+from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
 from mxmoe.moe import permute_plan
 
 def old_permute(x2, slot_rows, M, top_k):  # what MoE.permute built before the fusion
@@ -193,7 +193,7 @@ for T, D, E, top_k in ((45, 288, 5, 1), (45, 288, 5, 2), (70, 96, 6, 4), (0, 64,
     # autograd: the fused function against autograd of the old composition (bf16, finite values)
     x2 = wide_randn((T, D), torch.bfloat16, "cpu", gen).requires_grad_()
     dxp = torch.randn(M, D, generator=gen).to(torch.bfloat16)
-    xp16, dt, st = tokens._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
+    xp16, dt, st = ops_tokens._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
     same(xp16, Q.qdq_dual(old_permute(x2.detach(), slot_rows, M, top_k))[0], f"autograd forward top_k={top_k}")
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(old_permute(x2, slot_rows, M, top_k), x2, dxp)
@@ -210,7 +210,7 @@ m = MoE(64, 96, 6, 2)
 x = torch.randn(45, 64).to(torch.bfloat16)
 
 def fused_permute(x2, r):
-    xp16, dt, st = tokens._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule, resolve(x2.device))
+    xp16, dt, st = ops_tokens._PermuteQDQ.apply(x2, r.slot_rows, r.rows, m.top_k, m.recipe.scale_rule, resolve(x2.device))
     return xp16, r.offs, Q.columnwise_mxtensor(dt, st, m.recipe.scale_rule), r
 
 from test_qdq_kernels import _layer_step
@@ -232,7 +232,7 @@ EXPANSION_CHECK = r"""
 # The expert linear layer's expansion-route branches (the QDQ kernels feeding torch._grouped_mm),
 # forced on the CPU: requantize_weights gives the same bits, and both agree with the reference path.
 from mxmoe import ops
-from mxmoe.ops import activation, linear, tokens  # noqa: F401
+from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
 from mxmoe.kernels import dispatch
 from mxmoe.recipes import get_recipe
 
@@ -430,7 +430,7 @@ def test_gpu_layer_qdq_route_equals_old_composition(recipe, rows, monkeypatch):
 
     from mxmoe import ops
 
-    from mxmoe.ops import activation, linear, tokens  # noqa: F401
+    from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
 
     monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
     sizes = [0, 96, 0, 160, 32, 128, 0]
@@ -459,7 +459,7 @@ def test_gpu_layer_qdq_route_prequantized_input_and_reference(monkeypatch):
 
     import mxmoe
     from mxmoe import ops
-    from mxmoe.ops import activation, linear, tokens  # noqa: F401
+    from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
 
     monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
     sizes = [64, 0, 192]
@@ -515,7 +515,7 @@ def test_gpu_moe_qdq_route_equals_old_composition(recipe, monkeypatch):
 
     import mxmoe
     from mxmoe import ops
-    from mxmoe.ops import activation, linear, tokens  # noqa: F401
+    from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
 
     monkeypatch.setenv("MXMOE_SM90_GEMM", "bf16")
     torch.manual_seed(0)
@@ -545,7 +545,7 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
 
     from mxmoe import ops
 
-    from mxmoe.ops import activation, linear, tokens  # noqa: F401
+    from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
     from mxmoe.kernels import quantize as Q
     from mxmoe.moe import permute_plan
 
@@ -564,7 +564,7 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
                     _same(a, b, f"permute_qdq {what} {dtype} {rule}")
     x2 = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).cuda().requires_grad_()
     dxp = torch.randn(M, dim, generator=g).to(torch.bfloat16).cuda()
-    xp16, _, _ = tokens._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
+    xp16, _, _ = ops_tokens._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(_old_permute(x2, slot_rows, M, top_k), x2, dxp)
     _same(got, want, "permute backward")
