@@ -151,11 +151,6 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` of the rows of ``x [sum(in_splits), ...]`` -> ``[sum(out_splits), ...]``."""
-    return _AllToAll.apply(x, list(out_splits), list(in_splits), _group(group))
-
-
 def _slot_sum(rows: torch.Tensor, send_slots: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     """Rows in send order ``[S, D]`` -> per token sums over its top_k slots ``[T, D]``, summed in slot
     order j = 0..top_k-1 (as the single-process layer's ``repeat_interleave`` backward does)."""
