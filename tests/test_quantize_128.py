@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -303,6 +304,76 @@ def test_tile_configs_fit_the_groups():
             assert g["BK"] % 128 == 0, (fam, width)
     for save_h, g in Q._GLUON_TILES_SWIGLU.items():  # the SwiGLU input mode: dual outputs, 128 groups
         assert Q._gluon_tile_fits(**g) and g["MB"] % 4 == 0 and g["BK"] % 128 == 0, save_h
+
+
+def test_gluon_launch_contract_128(monkeypatch):
+    """What the sm_90 route hands the Gluon kernel for the 128 forms (recorded, not run: CPU): GROUP 128, the
+    outputs it returns, the tile grid, and the fused input modes' arguments."""
+    from types import SimpleNamespace
+
+    from mxmoe.kernels import quantize as Q
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(Q, "_interpreting", lambda: True)  # CPU tensors pass _check
+    monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
+    monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
+
+    def launch(fn, *a):
+        calls.clear()
+        out = fn(*a)
+        assert len(calls) == 1, f"{fn.__name__}: {len(calls)} launches"
+        grid, args, kw = calls[0]
+        assert kw["GROUP"] == 128 and kw["VEC"] == 8, fn.__name__
+        return out, grid, args, kw
+
+    x = torch.randn(256, 384, dtype=torch.bfloat16)
+    (d, s_, dt, st), grid, args, kw = launch(Q.quantize_dual_128, x)
+    assert (kw["ROW"], kw["COL"], kw["LAYOUT"], kw["TILE32"]) == (1, 1, 0, False) and "IN_MODE" not in kw
+    assert args[1].data_ptr() == dt.data_ptr() and args[3].data_ptr() == d.data_ptr() and grid == (2 * 3,)
+    (dt, st), grid, args, kw = launch(Q.quantize_columnwise_128, x)
+    assert (kw["ROW"], kw["COL"]) == (0, 1) and dt.shape == (384, 256) and st.shape == (384, 8)
+    w = torch.randn(2, 256, 128, dtype=torch.float32)
+    out, grid, args, kw = launch(Q.quantize_128x128, w)
+    assert kw["TILE32"] and len(out) == 4 and out[2].shape == (2, 128, 256)
+
+    src = torch.arange(256, dtype=torch.int32)
+    (d, s_, dt, st), grid, args, kw = launch(Q.permute_quantize_128, x[:100], src)
+    assert kw["IN_MODE"] == 1 and kw["src_ptr"] is not None and kw["T"] == 100 and (args[5], args[6]) == (256, 384)
+    assert d.shape == (256, 384) and s_.shape == (256, 12) and dt.shape == (384, 256) and grid == (2 * 3,)
+    assert args[3].data_ptr() == d.data_ptr() and args[4].data_ptr() == s_.data_ptr()
+    h = torch.randn(256, 768, dtype=torch.bfloat16)
+    for save_h in (False, True):
+        out, grid, args, kw = launch(Q.swiglu_quantize_128, h, "rceil", save_h)
+        g = Q._GLUON_TILES_SWIGLU[save_h]
+        assert kw["IN_MODE"] == 2 and kw["SAVE_H"] == save_h and (args[5], args[6]) == (256, 384)
+        assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
+        assert [tuple(t.shape) for t in out] == [(256, 384), (256, 12), (384, 256), (384, 8)] + (
+            [(256, 768), (256, 24)] if save_h else [(0,), (0,)])
+        if save_h:
+            assert kw["qh_ptr"].data_ptr() == out[4].data_ptr() and kw["sh_ptr"].data_ptr() == out[5].data_ptr()
+
+
+def test_gluon_128_compiles_for_sm90(tmp_path):
+    """The Gluon kernel's GROUP 128 and fused input modes (which no CPU run executes) compile for sm_90 without
+    spills (bench_quantize.py --offline-sm90: the wrappers' own launches, compiled, not run)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "offline.json"
+    names = "columnwise_128,dual_128,weight_128x128_both,permute_128,swiglu_128,swiglu_128_save_h"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_quantize.py"), "--offline-sm90",
+                           "--groups128", "--kernels", names, "--out", str(out)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == set(names.split(","))
+    for r in rows:
+        assert r["config"].startswith("gluon") and r["spill_store_bytes"] == 0 and r["registers"], r
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,6 +15,12 @@ e.g. expert weights ``[E, N, K]``; any strides, fastest when the last dim is con
                             written straight into the per-group 128-row-aligned blocked layout
 ==========================  ===============================================================
 
+The Hopper-fast recipe's forms (DESIGN §9, ``mxfp8_128``): ``quantize_rowwise_128``,
+``quantize_columnwise_128``, ``quantize_dual_128`` (1x128 along K / 128x1 along M), ``quantize_128x128``
+(weights, both orientations from one read), and the fused ``permute_quantize_128`` (token gather + dual) and
+``swiglu_quantize_128`` (SwiGLU + dual); same outputs and storage as the 1x32 forms above (E4M3 data, E8M0
+scales per 32 elements, each group's scale replicated), equal to ``formats.quantize(.., block=128 / (128, 128))``.
+
 Scale layouts (``scale_layout``), for a row-major scale matrix ``[rows, cols]`` of the output data:
 
 * ``"row_major"``: that matrix, ``float8_e8m0fnu`` (the reference's layout);
