@@ -161,6 +161,7 @@ def _case_128x128(Q, dev, gen):
     for rule in RULES:
         check_128x128(Q, w, rule, "row_major", f"N=160 {rule}", transposed=False)
     check_128x128(Q, w[:, :128], "rceil", "blocked", "rows only", transposed=False)
+    check_128x128(Q, w, "floor", "sm90", "N=160 compact scales", transposed=False)
 
 
 def _case_noncontiguous(Q, dev, gen):
@@ -229,6 +230,21 @@ def _case_swiglu_128(Q, dev, gen):
     same_bytes(out[4], ref(h, -1, "rceil").data, "swiglu strided h data")
 
 
+def _case_random_shapes(Q, dev, gen):
+    """A few random shapes (batch, rows not a multiple of the tile, K / M multiples of 128), dtypes and rules."""
+    for _ in range(4):
+        B = int(torch.randint(1, 3, (1,), generator=gen))
+        m_groups, k_groups = (int(v) for v in torch.randint(1, 4, (2,), generator=gen))
+        odd = int(torch.randint(1, 128, (1,), generator=gen))
+        dt = DTYPES[int(torch.randint(0, 2, (1,), generator=gen))]
+        rule = RULES[int(torch.randint(0, 2, (1,), generator=gen))]
+        x = special(wide_randn((B, 128 * m_groups, 128 * k_groups), dt, "cpu", gen), -1, -2).to(dev)
+        tag = f"random {tuple(x.shape)} {dt} {rule}"
+        check_rowwise(Q, x[:, :odd], rule, "row_major", tag + f" rows {odd}")
+        check_dual(Q, x, rule, "row_major", tag)
+        check_128x128(Q, x, rule, "row_major", tag)
+
+
 CASES = {
     "rowwise_128": _case_rowwise,
     "columnwise_128": _case_columnwise,
@@ -237,6 +253,7 @@ CASES = {
     "noncontiguous_128": _case_noncontiguous,
     "permute_128": _case_permute_128,
     "swiglu_128": _case_swiglu_128,
+    "random_shapes_128": _case_random_shapes,
 }
 
 
@@ -269,6 +286,8 @@ def test_input_errors():
         Q.quantize_128x128(torch.randn(2, 160, 256, **meta))  # the transposed copy needs whole tiles along N
     with pytest.raises(ValueError, match="divisible by 128"):
         Q.quantize_128x128(torch.randn(2, 128, 160, **meta), transposed=False)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Q.quantize_128x128(torch.randn(2, 100, 128, **meta), transposed=False)
     with pytest.raises(TypeError, match="dtype"):
         Q.quantize_dual_128(torch.randn(128, 128, **meta).to(torch.int32))
     src = torch.zeros(192, dtype=torch.int32, **meta)
