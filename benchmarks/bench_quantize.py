@@ -669,7 +669,7 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         print(f"sweep {name} gluon {MB, BK, WM, WK, TM, RS}: {type(e).__name__}: {e}", flush=True)
                 tile.update(saved)
-            if args.sweep and key is not None and name in SWEPT:
+            if args.sweep and key is not None and name in SWEPT and (not args.groups128 or "128" in name):
                 saved = Q._TUNED.get(key)
                 for cfg in SWEEP[key]:
                     if cfg == (saved or _default_cfg(key)):
