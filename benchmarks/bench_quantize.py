@@ -164,7 +164,7 @@ def kernel_config(name: str, key, x: torch.Tensor) -> str:
             return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}"
         return cfg_name(Q._config_128_fused(key == "swiglu128_save_h"))
     if key in ("col", "colrow", "colrow32", *GLUON_KEYS_128) and not name.endswith("_triton") and Q._use_gluon(x3):
-        return gluon_name(key != "col", x3)
+        return gluon_name(key not in ("col", "col128"), x3)
     return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
 
 
@@ -271,7 +271,8 @@ def check128(name: str, x: torch.Tensor, out) -> bool:
     """check() for the --groups128 kernels (first rows / experts, whole 128-groups); False: not one of them."""
     if name in ("permute_qdq", "swiglu_qdq"):
         return True  # the 1x32 fused kernels, for comparison: checked by tests/test_qdq_kernels.py
-    if "128" not in name:
+    if not name.startswith(("rowwise_128", "columnwise_128", "dual_128", "weight_128x128", "permute_128",
+                            "swiglu_128")):
         return False
     sub = x[:2] if x.dim() == 3 else x[:256]
     n = sub.shape[0]
@@ -474,6 +475,82 @@ def check_ceiling(x3, yt, y, row: bool) -> None:
         raise AssertionError("ceiling kernel: wrong bytes")
 
 
+def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> None:
+    """--offline-sm90: compile each case's kernel for sm_90 on this machine (no GPU: Triton's driver is faked, the
+    launch replaced by a compile of the same arguments and constexprs) and print registers, spill bytes, shared
+    memory and SASS size (ptxas -v / cuobjdump of Triton's bundled tools); Gluon where the wrapper takes it on sm_90."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.runtime.jit as jit
+    from triton.backends.compiler import GPUTarget
+
+    class FakeDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(FakeDriver())
+    compiled = []
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        compiled.append(run(self, *args, grid=grid, warmup=True, **kwargs))
+        return compiled[-1]
+
+    jit.JITFunction.run = compile_only
+    check_inputs = Q._check
+
+    def check_cpu(*a, **k):  # the wrappers' checks, CPU tensors accepted
+        Q._interpreting = lambda: True
+        try:
+            return check_inputs(*a, **k)
+        finally:
+            Q._interpreting = lambda: False
+
+    Q._check, Q._interpreting = check_cpu, lambda: False
+    Q._persistent_grid = lambda kernel, args, kwargs, total, device: total
+    Q._use_gluon = lambda x3: os.environ.get("MXMOE_QUANT_GLUON", "1") != "0" and x3.stride(2) == 1
+    bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    rows = []
+    for shape, is_weight in shapes:
+        x = wide_randn(shape)
+        for name, key, fn in case_list(x, is_weight):
+            if only and name not in only:
+                continue
+            compiled.clear()
+            fn()
+            k = compiled[-1]
+            with tempfile.TemporaryDirectory() as tmp:
+                ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+                open(ptx, "w").write(k.asm["ptx"])
+                log = subprocess.run([os.path.join(bins, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+                                     capture_output=True, text=True)
+                log = log.stdout + log.stderr
+                open(cubin, "wb").write(k.asm["cubin"])
+                sass = subprocess.run([os.path.join(bins, "cuobjdump"), "-sass", cubin], capture_output=True,
+                                      text=True).stdout
+            regs, spill = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+            row = {"kernel": name, "shape": "x".join(map(str, shape)), "config": kernel_config(name, key, x),
+                   "num_warps": k.metadata.num_warps, "registers": int(regs.group(1)) if regs else None,
+                   "spill_store_bytes": int(spill.group(1)) if spill else None, "shared": k.metadata.shared,
+                   "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, re.M))}
+            rows.append(row)
+            print(f"{name:28s} {row['config']:34s} warps {row['num_warps']:2d} regs {row['registers']} "
+                  f"spill {row['spill_store_bytes']} smem {row['shared']} SASS {row['sass_instructions']}", flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"meta": {"what": "offline sm_90 compile (triton " + triton.__version__ + ")"}, "rows": rows}, f,
+                      indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="default benchmarks/results/h200/quantize.json "
@@ -495,11 +572,17 @@ def main():
                     help="time CUDA-graph replays (kernel time, no host time; see bench_ms)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks this script, times nothing)")
+    ap.add_argument("--offline-sm90", action="store_true",
+                    help="no GPU: compile every case's kernel for sm_90 and print registers / spills (--out: JSON)")
     args = ap.parse_args()
+    global DEV, ACTS, WEIGHTS, CUDAGRAPH
+    case_list = cases128 if args.groups128 else cases
+    if args.offline_sm90:
+        DEV = "cpu"
+        return offline_sm90(case_list, [((4096, 4096), False), ((4, 1024, 2048), True)], args.out,
+                            set(filter(None, args.kernels.split(","))))
     if args.out is None:
         args.out = f"benchmarks/results/h200/quantize{'_128' if args.groups128 else ''}.json"
-    case_list = cases128 if args.groups128 else cases
-    global DEV, ACTS, WEIGHTS, CUDAGRAPH
     CUDAGRAPH = args.cudagraph
     if args.dry_run:
         DEV, ACTS, WEIGHTS = "cpu", [(256, 512)], [(2, 128, 256)]
@@ -586,7 +669,7 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         print(f"sweep {name} gluon {MB, BK, WM, WK, TM, RS}: {type(e).__name__}: {e}", flush=True)
                 tile.update(saved)
-            if args.sweep and key is not None and name in SWEPT:
+            if args.sweep and key is not None and name in SWEPT and (not args.groups128 or "128" in name):
                 saved = Q._TUNED.get(key)
                 for cfg in SWEEP[key]:
                     if cfg == (saved or _default_cfg(key)):

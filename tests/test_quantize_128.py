@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -163,6 +164,7 @@ def _case_128x128(Q, dev, gen):
     for rule in RULES:
         check_128x128(Q, w, rule, "row_major", f"N=160 {rule}", transposed=False)
     check_128x128(Q, w[:, :128], "rceil", "blocked", "rows only", transposed=False)
+    check_128x128(Q, w, "floor", "sm90", "N=160 compact scales", transposed=False)
 
 
 def _case_noncontiguous(Q, dev, gen):
@@ -231,6 +233,21 @@ def _case_swiglu_128(Q, dev, gen):
     same_bytes(out[4], ref(h, -1, "rceil").data, "swiglu strided h data")
 
 
+def _case_random_shapes(Q, dev, gen):
+    """A few random shapes (batch, rows not a multiple of the tile, K / M multiples of 128), dtypes and rules."""
+    for _ in range(4):
+        B = int(torch.randint(1, 3, (1,), generator=gen))
+        m_groups, k_groups = (int(v) for v in torch.randint(1, 4, (2,), generator=gen))
+        odd = int(torch.randint(1, 128, (1,), generator=gen))
+        dt = DTYPES[int(torch.randint(0, 2, (1,), generator=gen))]
+        rule = RULES[int(torch.randint(0, 2, (1,), generator=gen))]
+        x = special(wide_randn((B, 128 * m_groups, 128 * k_groups), dt, "cpu", gen), -1, -2).to(dev)
+        tag = f"random {tuple(x.shape)} {dt} {rule}"
+        check_rowwise(Q, x[:, :odd], rule, "row_major", tag + f" rows {odd}")
+        check_dual(Q, x, rule, "row_major", tag)
+        check_128x128(Q, x, rule, "row_major", tag)
+
+
 CASES = {
     "rowwise_128": _case_rowwise,
     "columnwise_128": _case_columnwise,
@@ -239,6 +256,7 @@ CASES = {
     "noncontiguous_128": _case_noncontiguous,
     "permute_128": _case_permute_128,
     "swiglu_128": _case_swiglu_128,
+    "random_shapes_128": _case_random_shapes,
 }
 
 
@@ -271,6 +289,8 @@ def test_input_errors():
         Q.quantize_128x128(torch.randn(2, 160, 256, **meta))  # the transposed copy needs whole tiles along N
     with pytest.raises(ValueError, match="divisible by 128"):
         Q.quantize_128x128(torch.randn(2, 128, 160, **meta), transposed=False)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Q.quantize_128x128(torch.randn(2, 100, 128, **meta), transposed=False)
     with pytest.raises(TypeError, match="dtype"):
         Q.quantize_dual_128(torch.randn(128, 128, **meta).to(torch.int32))
     src = torch.zeros(192, dtype=torch.int32, **meta)
@@ -306,6 +326,76 @@ def test_tile_configs_fit_the_groups():
             assert g["BK"] % 128 == 0, (fam, width)
     for save_h, g in Q._GLUON_TILES_SWIGLU.items():  # the SwiGLU input mode: dual outputs, 128 groups
         assert Q._gluon_tile_fits(**g) and g["MB"] % 4 == 0 and g["BK"] % 128 == 0, save_h
+
+
+def test_gluon_launch_contract_128(monkeypatch):
+    """What the sm_90 route hands the Gluon kernel for the 128 forms (recorded, not run: CPU): GROUP 128, the
+    outputs it returns, the tile grid, and the fused input modes' arguments."""
+    from types import SimpleNamespace
+
+    from mxmoe.kernels import quantize as Q
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+
+    monkeypatch.setattr(Q, "_interpreting", lambda: True)  # CPU tensors pass _check
+    monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
+    monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
+
+    def launch(fn, *a):
+        calls.clear()
+        out = fn(*a)
+        assert len(calls) == 1, f"{fn.__name__}: {len(calls)} launches"
+        grid, args, kw = calls[0]
+        assert kw["GROUP"] == 128 and kw["VEC"] == 8, fn.__name__
+        return out, grid, args, kw
+
+    x = torch.randn(256, 384, dtype=torch.bfloat16)
+    (d, s_, dt, st), grid, args, kw = launch(Q.quantize_dual_128, x)
+    assert (kw["ROW"], kw["COL"], kw["LAYOUT"], kw["TILE32"]) == (1, 1, 0, False) and "IN_MODE" not in kw
+    assert args[1].data_ptr() == dt.data_ptr() and args[3].data_ptr() == d.data_ptr() and grid == (2 * 3,)
+    (dt, st), grid, args, kw = launch(Q.quantize_columnwise_128, x)
+    assert (kw["ROW"], kw["COL"]) == (0, 1) and dt.shape == (384, 256) and st.shape == (384, 8)
+    w = torch.randn(2, 256, 128, dtype=torch.float32)
+    out, grid, args, kw = launch(Q.quantize_128x128, w)
+    assert kw["TILE32"] and len(out) == 4 and out[2].shape == (2, 128, 256)
+
+    src = torch.arange(256, dtype=torch.int32)
+    (d, s_, dt, st), grid, args, kw = launch(Q.permute_quantize_128, x[:100], src)
+    assert kw["IN_MODE"] == 1 and kw["src_ptr"] is not None and kw["T"] == 100 and (args[5], args[6]) == (256, 384)
+    assert d.shape == (256, 384) and s_.shape == (256, 12) and dt.shape == (384, 256) and grid == (2 * 3,)
+    assert args[3].data_ptr() == d.data_ptr() and args[4].data_ptr() == s_.data_ptr()
+    h = torch.randn(256, 768, dtype=torch.bfloat16)
+    for save_h in (False, True):
+        out, grid, args, kw = launch(Q.swiglu_quantize_128, h, "rceil", save_h)
+        g = Q._GLUON_TILES_SWIGLU[save_h]
+        assert kw["IN_MODE"] == 2 and kw["SAVE_H"] == save_h and (args[5], args[6]) == (256, 384)
+        assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
+        assert [tuple(t.shape) for t in out] == [(256, 384), (256, 12), (384, 256), (384, 8)] + (
+            [(256, 768), (256, 24)] if save_h else [(0,), (0,)])
+        if save_h:
+            assert kw["qh_ptr"].data_ptr() == out[4].data_ptr() and kw["sh_ptr"].data_ptr() == out[5].data_ptr()
+
+
+def test_gluon_128_compiles_for_sm90(tmp_path):
+    """The Gluon kernel's GROUP 128 and fused input modes (which no CPU run executes) compile for sm_90 without
+    spills (bench_quantize.py --offline-sm90: the wrappers' own launches, compiled, not run)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "offline.json"
+    names = "columnwise_128,dual_128,weight_128x128_both,permute_128,swiglu_128,swiglu_128_save_h"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_quantize.py"), "--offline-sm90",
+                           "--groups128", "--kernels", names, "--out", str(out)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == set(names.split(","))
+    for r in rows:
+        assert r["config"].startswith("gluon") and r["spill_store_bytes"] == 0 and r["registers"], r
 
 
 # ------------------------------------------------------------------------------------------------

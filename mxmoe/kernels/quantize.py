@@ -15,6 +15,12 @@ e.g. expert weights ``[E, N, K]``; any strides, fastest when the last dim is con
                             written straight into the per-group 128-row-aligned blocked layout
 ==========================  ===============================================================
 
+The Hopper-fast recipe's forms (DESIGN §9, ``mxfp8_128``): ``quantize_rowwise_128``,
+``quantize_columnwise_128``, ``quantize_dual_128`` (1x128 along K / 128x1 along M), ``quantize_128x128``
+(weights, both orientations from one read), and the fused ``permute_quantize_128`` (token gather + dual) and
+``swiglu_quantize_128`` (SwiGLU + dual); same outputs and storage as the 1x32 forms above (E4M3 data, E8M0
+scales per 32 elements, each group's scale replicated), equal to ``formats.quantize(.., block=128 / (128, 128))``.
+
 Scale layouts (``scale_layout``), for a row-major scale matrix ``[rows, cols]`` of the output data:
 
 * ``"row_major"``: that matrix, ``float8_e8m0fnu`` (the reference's layout);
@@ -277,9 +283,10 @@ def _config_grouped() -> TileConfig:
 # ----------------------------------------------------------------------------------------------
 
 def _check(x: torch.Tensor, name: str, need_k32: bool, need_m32: bool,
-           group: int = BLOCK) -> tuple[torch.Tensor, bool]:
+           group: int = BLOCK, group_m: int | None = None) -> tuple[torch.Tensor, bool]:
     """Validate x and return it as a 3D [B, M, K] view plus whether it was 2D (need_k32 / need_m32:
-    K / M a multiple of ``group``, the scale group along that dim)."""
+    K a multiple of ``group``, the scale group along it, M of ``group_m``, default ``group``)."""
+    group_m = group if group_m is None else group_m
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -289,8 +296,8 @@ def _check(x: torch.Tensor, name: str, need_k32: bool, need_m32: bool,
     M, K = x.shape[-2], x.shape[-1]
     if need_k32 and K % group:
         raise ValueError(f"{name}: the last dim (K={K}) must be divisible by {group}")
-    if need_m32 and M % group:
-        raise ValueError(f"{name}: dim -2 (M={M}) must be divisible by {group} (columnwise blocks run along it)")
+    if need_m32 and M % group_m:
+        raise ValueError(f"{name}: dim -2 (M={M}) must be divisible by {group_m} (columnwise blocks run along it)")
     if not x.is_cuda and not _interpreting():
         raise ValueError(f"{name} runs on CUDA tensors; got a tensor on {x.device} "
                          "(use mxmoe.formats.quantize, the pure-torch reference, on CPU)")
@@ -329,7 +336,9 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
     (whose rows need not fill the last tile when there is no transposed copy: col False)."""
     layout = _layout(scale_layout)
     rceil = _rule(scale_rule)
-    x3, was_2d = _check(x, name, need_k32=row or tile32, need_m32=col or (tile32 and group == BLOCK), group=group)
+    # M: whole groups for a column output, whole 32-row blocks for tiles without one
+    x3, was_2d = _check(x, name, need_k32=row or tile32, need_m32=col or tile32, group=group,
+                        group_m=group if col else BLOCK)
     B, M, K = x3.shape
     dev = x.device
 
@@ -542,7 +551,7 @@ def quantize_128x128(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", sca
 
     Args:
         x: ``[N, K]`` or ``[E, N, K]``, ``K % 128 == 0`` and, with ``transposed``, ``N % 128 == 0`` (without it N
-            may end in a partial tile), CUDA.
+            may end in a partial tile of whole 32-row blocks: ``N % 32 == 0``), CUDA.
         transposed: also write the copy along N (``[.., K, N]``, the same bytes transposed).
     Returns:
         ``(data, scale, data_t, scale_t)`` (``transposed=False``: ``(data, scale)``): ``data`` ``[.., N, K]`` with

@@ -539,6 +539,19 @@ def _silu_mul_bf16(gate_raw, up_raw, SOFT: tl.constexpr):
 
 
 @triton.jit
+def _fused_dual_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, rceil, BM: tl.constexpr, BK: tl.constexpr,
+                     SOFT_CVT: tl.constexpr, ROW_FP8: tl.constexpr, GROUP: tl.constexpr):
+    """The fused kernels' outputs of one computed tile x of a [M, K] grid: its rows as BF16 MX values into br
+    (1x32), or with ROW_FP8 as E4M3 into br + scales sr (GROUP 32 or 128), and its columns E4M3 qc [K, M] + sc."""
+    if ROW_FP8:
+        _quantize_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, 0, 0, rceil,
+                       True, True, False, 0, 0, BM, BK, SOFT_CVT, GROUP)
+    else:
+        _qdq_tile(x, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, K, rceil,
+                  True, False, True, False, BM, BK, SOFT_CVT)
+
+
+@triton.jit
 def _quantize_rows_into(x_raw, t, n_m, n_k, q_ptr, s_ptr, M, K, ldq, rceil,
                         BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, GROUP: tl.constexpr = 32):
     """Quantize one loaded tile of a [M, K] grid along its rows (1x32 blocks; GROUP 128: 1x128 groups,
@@ -586,12 +599,7 @@ def mx_swiglu_qdq_kernel(
         gate_next = _load_tile(h_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
         up_next = _load_tile(up_ptr, t + nprog, total, n_m, n_k, M, F, 0, stride_hm, stride_hk, BM, BK)
         a = _silu_mul_bf16(gate, up, SOFT_CVT)
-        if ROW_FP8:
-            _quantize_tile(a, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, F, 0, 0, rceil,
-                           True, True, False, 0, 0, BM, BK, SOFT_CVT, GROUP)
-        else:
-            _qdq_tile(a, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, F, rceil,
-                      True, False, True, False, BM, BK, SOFT_CVT)
+        _fused_dual_tile(a, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, F, rceil, BM, BK, SOFT_CVT, ROW_FP8, GROUP)
         if SAVE_H:
             _quantize_rows_into(gate, t, n_m, n_k, qh_ptr, sh_ptr, M, F, 2 * F, rceil, BM, BK, SOFT_CVT, GROUP)
             _quantize_rows_into(up, t, n_m, n_k, qh_ptr + F, sh_ptr + F // 32, M, F, 2 * F, rceil, BM, BK, SOFT_CVT,
@@ -640,11 +648,6 @@ def mx_permute_qdq_kernel(
     while t < total:
         x_next = _load_gathered_tile(x_ptr, src_ptr, t + nprog, total, n_m, n_k, M, K, T, stride_xm, stride_xk,
                                      BM, BK)
-        if ROW_FP8:
-            _quantize_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, 0, 0, rceil,
-                           True, True, False, 0, 0, BM, BK, SOFT_CVT, GROUP)
-        else:
-            _qdq_tile(x, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, K, rceil,
-                      True, False, True, False, BM, BK, SOFT_CVT)
+        _fused_dual_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, rceil, BM, BK, SOFT_CVT, ROW_FP8, GROUP)
         x = x_next
         t += nprog
