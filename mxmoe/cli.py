@@ -1,6 +1,7 @@
 """The ``mxmoe`` command line.
 
     mxmoe train [--preset tiny|default|gpu] [--steps N] [--out DIR] ...   # see mxmoe.train
+    mxmoe sample --ckpt out/model_mxfp8.safetensors --prompt "def " --tokens 200   # mxmoe.train.sample
     python -m mxmoe train --help
 """
 
@@ -35,11 +36,27 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _add_sample_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("sample", help="load a checkpoint of mxmoe train and sample text from it",
+                       description="Continue a prompt with bytes sampled from a model written by mxmoe train "
+                                   "(mxmoe.train.sample). Deterministic for a given checkpoint, device and seed.")
+    p.add_argument("--ckpt", required=True, help="a model_<recipe>.safetensors written by mxmoe train")
+    p.add_argument("--prompt", default="\n", help="text to continue, UTF-8 (default: a newline)")
+    p.add_argument("--tokens", type=int, default=200, help="bytes to sample (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest bytes; 0: all (default: 200)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--recipe", default=None, help="run the experts in this recipe instead of the checkpoint's")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with one subcommand per job (``train``)."""
+    """The argument parser with one subcommand per job (``train``, ``sample``)."""
     parser = argparse.ArgumentParser(prog="mxmoe", description="MoE training with MXFP8 expert matrix products")
     sub = parser.add_subparsers(dest="command", required=True)
-    parser.subcommands = {"train": _add_train_parser(sub)}  # for usage errors that print the subcommand's usage
+    # for usage errors that print the subcommand's usage
+    parser.subcommands = {"train": _add_train_parser(sub), "sample": _add_sample_parser(sub)}
     return parser
 
 
@@ -71,4 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # a bad flag combination: a usage error (exit 2), not a traceback
             parser.subcommands["train"].error(str(e))
         run(cfg)
+    elif command == "sample":
+        from mxmoe.train import sample
+
+        try:
+            text = sample(args["ckpt"], args["prompt"], args["tokens"], args["temperature"], args["top_k"],
+                          args["seed"], args["device"], args["recipe"])
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            parser.subcommands["sample"].error(str(e))
+        print(text)
     return 0

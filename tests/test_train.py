@@ -43,6 +43,11 @@ def test_metrics(run_dir):
         assert m["val_loss"][-1] < m["val_loss"][0] - 1.5
         assert sum(m["train_loss"][-10:]) / 10 < sum(m["train_loss"][:10]) / 10 - 1.0
     assert "mxfp8" in metrics["val_gap_vs_bf16_pct"]
+    from mxmoe.train import summarize
+
+    table = summarize(metrics)
+    assert "ref tok/s" in table and "pure-torch reference" in table
+    assert "no seed-to-seed spread is stored" in table  # the tiny preset has none
 
 
 def test_plot_and_checkpoints(run_dir):
@@ -181,6 +186,11 @@ def test_config_checks(monkeypatch):
 
 @pytest.mark.parametrize("flags,msg", [
     (["--batch-size", "0"], "must be >= 1"),
+    (["--recipes", "bf16,,mxfp8"], "has an empty name"),
+    (["--recipes", "bf16,mxfp8,"], "has an empty name"),
+    (["--recipes", "bf16,bf16"], "names a recipe twice"),
+    (["--cpu-bf16-gemm", "fast"], "cpu_bf16_gemm must be 'fp32' or 'native'"),
+    (["--data", "/nonexistent/folder"], "is not a folder"),
     (["--recipes", "bf16,mxfp9"], "unknown recipe 'mxfp9'"),
     (["--val-every-file", "1"], "val_every_file"),
     (["--experts", "3", "--top-k", "5"], "top_k 5"),
@@ -211,3 +221,86 @@ def test_cli_rejects_an_output_folder_it_cannot_create(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["train", "--preset", "tiny", "--out", str(blocker / "o")])
     assert e.value.code == 2 and "cannot be created" in capsys.readouterr().err
+
+
+def test_checkpoint_load_and_sample(run_dir, capsys):
+    """A checkpoint of the tiny run loads with its config and recipe and samples deterministically."""
+    from mxmoe.train import generate, load_checkpoint, sample
+
+    for recipe in ("bf16", "mxfp8"):
+        model, cfg, got_recipe = load_checkpoint(run_dir / f"model_{recipe}.safetensors")
+        assert got_recipe == recipe and cfg.dim == make_config("tiny").dim and not model.training
+        idx = torch.randint(256, (2, cfg.seq_len))
+        assert model.logits(idx).shape == (2, cfg.seq_len, 256)
+        out = generate(model, b"def ", 80, seed=3)  # longer than the context (64): the window slides
+        assert isinstance(out, bytes) and len(out) == 80
+        assert generate(model, b"def ", 80, seed=3) == out  # deterministic
+        assert generate(model, b"def ", 20, temperature=0) == generate(model, b"def ", 20, temperature=0, seed=9)
+    text = sample(run_dir / "model_mxfp8.safetensors", "def ", tokens=30, seed=1)
+    assert text.startswith("def ") and len(text.encode("utf-8", "surrogatepass")) >= 4
+    assert main(["sample", "--ckpt", str(run_dir / "model_mxfp8.safetensors"), "--prompt", "def ",
+                 "--tokens", "30", "--seed", "1"]) == 0
+    assert capsys.readouterr().out == text + "\n"
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate(model, b"", 5)
+    with pytest.raises(ValueError, match="more than the model's context"):
+        model.logits(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
+
+
+def test_sample_cli_rejects_a_missing_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sample", "--ckpt", str(tmp_path / "nope.safetensors")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no checkpoint at" in err and "usage: mxmoe sample" in err
+
+
+def test_cpu_bf16_products_as_fp32_match_torch():
+    """CPUBF16GroupedMMAsFP32: torch._grouped_mm's values (BF16 operands, FP32 sums, one BF16 rounding) up to
+    summation order, in forward and backward, zeros past offs[-1]; other calls untouched."""
+    from mxmoe.train import CPUBF16GroupedMMAsFP32
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(300, 64, generator=gen).bfloat16().requires_grad_()
+    b = torch.randn(4, 64, 96, generator=gen).bfloat16().requires_grad_()
+    offs = torch.tensor([50, 50, 200, 280], dtype=torch.int32)
+    want = torch._grouped_mm(a, b, offs)
+    with CPUBF16GroupedMMAsFP32():
+        got = torch._grouped_mm(a, b, offs)
+        assert torch.equal(torch.mm(a[:4], b[0]), torch.mm(a[:4], b[0]))  # other ops run as they are
+    assert got.dtype == torch.bfloat16 and not got[280:].any()
+    ulp = want[:280].float().abs() * 2.0**-7 + 1e-6
+    assert bool(((got[:280].float() - want[:280].float()).abs() <= ulp).all())
+    assert (got[:280] != want[:280]).float().mean() < 0.01  # only a rare last-bit difference
+    dy = torch.randn(300, 96, generator=gen).bfloat16()
+    want_g = torch.autograd.grad(want[:280], (a, b), dy[:280])
+    got_g = torch.autograd.grad(got[:280], (a, b), dy[:280])
+    for w, g in zip(want_g, got_g):
+        assert g.dtype == torch.bfloat16
+        assert bool(((g.float() - w.float()).abs() <= w.float().abs() * 2.0**-7 + 1e-3).all())
+    wgrad = torch.randn(96, 280, generator=gen).bfloat16(), torch.randn(280, 64, generator=gen).bfloat16()
+    with CPUBF16GroupedMMAsFP32():
+        got = torch._grouped_mm(*wgrad, offs)
+    want = torch._grouped_mm(*wgrad, offs)
+    assert got.shape == (4, 96, 64) and not got[1].any()  # an empty group: zeros (torch leaves it unset)
+    got, want = got[[0, 2, 3]].float(), want[[0, 2, 3]].float()
+    assert bool(((got - want).abs() <= want.abs() * 2.0**-7 + 1e-4).all())
+
+
+def test_verdict_and_stored_seed_spread(monkeypatch):
+    import dataclasses
+
+    from mxmoe import train
+
+    monkeypatch.setattr(train.platform, "python_version", lambda: "3.11.7")
+    spread = train.seed_spread(dataclasses.asdict(make_config("default")))
+    assert spread is not None and spread["preset"] == "default" and len(spread["seeds"]) >= 2
+    assert spread["spread"] == max(spread["bf16_val"].values()) - min(spread["bf16_val"].values()) > 0
+    inside = train.verdict(spread["spread"] / 2, spread, "mxfp8")
+    assert "is inside the seed-to-seed spread" in inside and "not distinguishable" in inside and "mxfp8" in inside
+    assert "outside" in train.verdict(-2 * spread["spread"], spread) and "lower than bf16" in train.verdict(
+        -2 * spread["spread"], spread)
+    assert train.seed_spread(dataclasses.asdict(make_config("default", steps=10))) is None  # other settings
+    assert train.seed_spread(dataclasses.asdict(make_config("default", seed=5, out="x"))) is not None
+    assert "no seed-to-seed spread is stored" in train.verdict(0.01, None)
+    monkeypatch.setattr(train.platform, "python_version", lambda: "3.12.3")  # another stdlib: other data
+    assert train.seed_spread(dataclasses.asdict(make_config("default"))) is None

@@ -236,7 +236,9 @@ def bf16_grouped_mm(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Backen
     """``torch._grouped_mm`` of the BF16 values of ``a`` and ``b`` (MXTensors expanded by
     :func:`expand_bf16`, BF16 tensors as they are); it writes BF16 (torch 2.11 takes no other output
     dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel) once the expansions
-    are freed (peak memory)."""
+    are freed (peak memory). So ``out_dtype=torch.float32`` gives the FP32-summed product rounded to
+    BF16, then widened: every element is a BF16 value, up to 2^-9 relative error against the exact
+    product, not FP32 accuracy (pinned by ``tests/test_out_dtype.py``)."""
     return bf16_to(torch._grouped_mm(expand_bf16(a), expand_bf16(b), offs), out_dtype, be)
 
 

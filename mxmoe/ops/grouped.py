@@ -78,7 +78,15 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
 
     Operands are both plain float tensors (bf16/fp16/fp32) or both :class:`MXTensor` quantized
     along the contraction dim (``a.axis == 1``; ``b.axis`` = its K dim). MX products equal the
-    FP64 product of the dequantized operands up to FP32 summation order.
+    FP64 product of the dequantized operands up to FP32 summation order, rounded once to ``out_dtype``
+    (the CPU reference, our Hopper kernels, sm_100) -- except on Hopper's expansion route (1x32 / 32x32
+    operands on sm_90 with ``MXMOE_SM90_GEMM`` unset, ``auto`` or ``bf16``, the default; and the 2D x 2D
+    form under ``mixed``): there the operands are expanded exactly to BF16 and multiplied by BF16
+    ``torch._grouped_mm``, which sums in FP32 but writes BF16, so ``out_dtype=torch.float32`` returns that
+    BF16-rounded product cast to FP32 (every element a BF16 value, up to 2^-9 relative error against the
+    exact product; not FP32 accuracy). The layer's MX weight gradients come from this form, so on that
+    route they reach FP32 parameters BF16-rounded (``tests/test_out_dtype.py``). ``mxfp8_128`` operands
+    take the promote-per-128 kernel, which writes FP32.
 
     Args:
         out_dtype: result dtype; default ``a.dtype`` for plain tensors, ``bfloat16`` for MX.
