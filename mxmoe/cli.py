@@ -2,6 +2,7 @@
 
     mxmoe train [--preset tiny|default|gpu] [--steps N] [--out DIR] ...   # see mxmoe.train
     mxmoe sample --ckpt out/model_mxfp8.safetensors --prompt "def " --tokens 200   # mxmoe.train.sample
+    mxmoe info [--device cuda:0]   # which kernels serve each recipe on this machine (mxmoe.backend)
     python -m mxmoe train --help
 """
 
@@ -52,11 +53,13 @@ def _add_sample_parser(sub) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with one subcommand per job (``train``, ``sample``)."""
+    """The argument parser with one subcommand per job (``train``, ``sample``, ``info``)."""
     parser = argparse.ArgumentParser(prog="mxmoe", description="MoE training with MXFP8 expert matrix products")
     sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="print which kernels serve each recipe's products on this machine")
+    info.add_argument("--device", default=None, help="a torch device (default: the first GPU, else the CPU)")
     # for usage errors that print the subcommand's usage
-    parser.subcommands = {"train": _add_train_parser(sub), "sample": _add_sample_parser(sub)}
+    parser.subcommands = {"train": _add_train_parser(sub), "sample": _add_sample_parser(sub), "info": info}
     return parser
 
 
@@ -97,4 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             parser.subcommands["sample"].error(str(e))
         print(text)
+    elif command == "info":
+        from mxmoe.backend import describe
+
+        try:
+            print(describe(args["device"]))
+        except (ValueError, RuntimeError) as e:
+            parser.subcommands["info"].error(str(e))
     return 0

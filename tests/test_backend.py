@@ -77,3 +77,14 @@ def test_dispatch_sends_128_operands_to_the_promote_per_128_kernel(monkeypatch):
                                     torch.float32, be)
         dispatch.mx_grouped_mm_cuda(mxmoe.quantize(x), mxmoe.quantize(w).mT, offs, torch.bfloat16, be)
     assert calls == ["m128", "k128", "expansion", "m128", "k128", "m32"]
+
+
+def test_cli_info_prints_every_recipe(capsys):
+    from mxmoe.cli import main
+
+    assert main(["info", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in RECIPES) and "device cpu" in out
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--device", "nope"])
+    assert e.value.code == 2
