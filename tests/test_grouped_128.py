@@ -214,3 +214,35 @@ def test_gpu_moe_layer_128_matches_reference_path():
     for g_, r_, name in zip(got, ref, ("y", "dx", "dw13", "dw2", "drouter")):
         err = _rel(g_, r_.double())
         assert torch.isfinite(g_).all() and err <= 3e-2, f"{name}: rel err {err:.2e}"
+
+
+def test_128_recipe_keeps_swiglu_input_in_1x128_groups():
+    """mxfp8_128 with swiglu_input_fp8: h is kept as MXFP8 in the recipe's own 1x128 groups (the fused
+    GPU kernel writes the same), and the layer's gradients stay close to the fp32 recipe's."""
+    from mxmoe.ops import activation
+
+    r = get_recipe("mxfp8_128").with_(name="mxfp8_128_lowmem", swiglu_input_fp8=True)
+    h = torch.randn(128, 512, requires_grad=True)
+    seen = []
+    orig = activation.pack
+
+    def spy(t):
+        seen.append(t)
+        return orig(t)
+
+    activation.pack = spy
+    try:
+        a, _ = ops.swiglu(h, r)
+    finally:
+        activation.pack = orig
+    assert seen and seen[0].block == (1, 128)
+    torch.manual_seed(1)
+    moe = mxmoe.MoE(dim=256, ffn_dim=256, num_experts=4, top_k=2, recipe="fp32")
+    x = torch.randn(96, 256)
+    moe(x).square().mean().backward()
+    g_ref = [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad()
+    moe.set_recipe(r)
+    moe(x).square().mean().backward()
+    for p, gr in zip(moe.parameters(), g_ref):
+        assert _rel(p.grad, gr.double()) < 0.2

@@ -84,18 +84,18 @@ def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor", be: Backend
 class _SwiGLU(torch.autograd.Function):
     """``a = F.silu(gate) * up`` of ``h [..., 2F]``: one kernel each way for 2D bf16 h on CUDA, the
     torch ops elsewhere (the same bits); silu recomputed in backward. h is kept as is, or with
-    ``save_rule`` as MXFP8 along 2F (``quantize(h, -1, save_rule)``), SwiGLU's gradient then taken
+    ``save_rule`` as MXFP8 along 2F (``quantize(h, -1, save_rule, group)``), SwiGLU's gradient then taken
     at h's MX values (the ``swiglu_input_fp8`` recipes off the fused path: the same numbers)."""
 
     @staticmethod
-    def forward(ctx, h, save_rule: str | None, be: Backend):
+    def forward(ctx, h, save_rule: str | None, be: Backend, group: int = BLOCK):
         ops = layer_ops_for(h, be)
         if ops is not None and h.dim() == 2 and h.dtype == torch.bfloat16:
             a = ops.swiglu(h)
         else:
             gate, up = h.split(h.shape[-1] // 2, dim=-1)
             a = torch.nn.functional.silu(gate) * up
-        hs, ctx.h_meta = pack(h if save_rule is None else quantize(h.detach(), -1, save_rule, backend=be))
+        hs, ctx.h_meta = pack(h if save_rule is None else quantize(h.detach(), -1, save_rule, group, backend=be))
         ctx.save_for_backward(*hs)  # (saved tensors, not ctx attributes: freed after backward)
         ctx.be = be
         return a
@@ -103,7 +103,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, da):
-        return _swiglu_backward(da, unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None
+        return _swiglu_backward(da, unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None, None
 
 
 def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None, *,
@@ -134,7 +134,8 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
         raise ValueError(f"swiglu expects h [..., 2F] (gate and up halves), got shape {tuple(h.shape)}")
     f = h.shape[-1] // 2
     # (only when a backward will need h: no extra quantization under no_grad / for inference)
-    save_fp8 = recipe.swiglu_input_fp8 and f % BLOCK == 0 and h.requires_grad and torch.is_grad_enabled()
+    save_fp8 = (recipe.swiglu_input_fp8 and f % recipe.act_block == 0 and h.requires_grad
+                and torch.is_grad_enabled())
     be = backend or resolve(h.device)
     if fused_fp8(h, h.shape[0], f, recipe, w_next, be):
         from mxmoe.kernels.quantize import columnwise_mxtensor, rowwise_mxtensor
@@ -148,6 +149,6 @@ def swiglu(h: torch.Tensor, recipe: "str | Recipe" = "bf16", w_next: torch.Tenso
         a16, data_t, scale_t = _SwiGLUQDQ.apply(h, recipe.scale_rule, save_fp8, be)
         return a16, columnwise_mxtensor(data_t, scale_t, recipe.scale_rule)
     if save_fp8 or (h.dim() == 2 and h.dtype == torch.bfloat16 and layer_ops_for(h, be) is not None):
-        return _SwiGLU.apply(h, recipe.scale_rule if save_fp8 else None, be), None
+        return _SwiGLU.apply(h, recipe.scale_rule if save_fp8 else None, be, recipe.act_block), None
     gate, up = h.split(f, dim=-1)
     return torch.nn.functional.silu(gate) * up, None
