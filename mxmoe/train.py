@@ -25,8 +25,9 @@ the full (single-process) state dict.
 Writes into ``--out``: ``metrics.json`` (config, environment, per-recipe losses and speed),
 ``loss.png`` (train and val curves, and each recipe's val loss minus bf16's against the stored
 seed-to-seed spread) and ``model_<recipe>.safetensors``. On the CPU every recipe runs the pure-torch
-reference (the speed column reads ``ref tok/s``), with the BF16 grouped products computed as FP32
-products of the BF16 values (:class:`CPUBF16GroupedMMAsFP32`, ``--cpu-bf16-gemm``). A checkpoint is
+reference (the speed column reads ``ref tok/s``), whose BF16 grouped products are FP32 products of the
+BF16 values (:func:`mxmoe.ops.grouped.reference_grouped_mm`; :class:`CPUBF16GroupedMMAsFP32` does the same
+for a direct ``torch._grouped_mm`` call, ``--cpu-bf16-gemm``). A checkpoint is
 loaded by :func:`load_checkpoint` and sampled by :func:`sample` / ``mxmoe sample``:
 
     mxmoe sample --ckpt out/model_mxfp8.safetensors --prompt "def " --tokens 200

@@ -402,3 +402,18 @@ def test_grouped_linear_saves_fp8_as_saved_tensors(recipe):
     y.square().sum().backward()
     with pytest.raises(RuntimeError, match="second time"):
         y.square().sum().backward()
+
+
+def test_cpu_bf16_grouped_mm_gradients_of_empty_groups_are_zero():
+    """BF16 grouped products on the CPU: FP32 sums of the BF16 values, one rounding; the gradients of an
+    empty expert and of rows past offs[-1] are zeros (torch's CPU _grouped_mm kernel leaves them unset)."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(300, 64, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(4, 64, 96, generator=g).bfloat16().requires_grad_()
+    offs = offsets([50, 0, 150, 80])  # ends 50, 50, 200, 280
+    y = grouped_mm(a, b, offs)
+    want = torch.cat([(a[s:t].float() @ b[e].float()).bfloat16() for e, (s, t) in
+                      enumerate(zip([0, 50, 50, 200], [50, 50, 200, 280]))])
+    assert torch.equal(y[:280], want) and not y[280:].any()
+    da, db = torch.autograd.grad(y, (a, b), torch.randn(300, 96, generator=g).bfloat16())
+    assert not db[1].any() and not da[280:].any() and db[0].any()

@@ -18,7 +18,11 @@ def is_mx(t) -> bool:
 
 
 def reference_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype) -> torch.Tensor:
-    """Plain per-group products, FP32 (or FP64) accumulate; rows/groups outside offs are zero."""
+    """Plain per-group products, FP32 (or FP64) accumulate, one rounding to ``out_dtype``; rows/groups outside
+    offs are zero. 16-bit operands are multiplied as FP32 copies of their values (what a BF16 tensor-core
+    GEMM computes, up to summation order; also far faster than CPU BF16 matmuls without BF16 instructions)."""
+    if a.dtype in (torch.bfloat16, torch.float16):
+        a, b = a.float(), b.float()
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 3:  # [M,K] x [E,K,N] -> [M,N]
@@ -114,8 +118,10 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
         acc = torch.float64 if out_dtype == torch.float64 else torch.float32
         return reference_grouped_mm(a.dequantize(acc), b.dequantize(acc), offs, out_dtype)
     out_dtype = out_dtype or a.dtype
-    if (a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and offs.numel() > 0 and _aligned_16b(a)
-            and _aligned_16b(b)):  # (no groups: the reference's zeros; torch._grouped_mm leaves memory unset)
+    # torch._grouped_mm on CUDA only: no groups give the reference's zeros (it leaves memory unset), and its
+    # CPU kernel's backward leaves the gradients of empty groups and of rows past offs[-1] unset
+    if (a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and offs.numel() > 0
+            and _aligned_16b(a) and _aligned_16b(b)):
         return torch._grouped_mm(a, b, offs, out_dtype=out_dtype)
     return reference_grouped_mm(a, b, offs, out_dtype)
 
