@@ -33,7 +33,8 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
     for f in dataclasses.fields(train.TrainConfig):
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None,
                        metavar=type(f.default).__name__.upper(),
-                       help=comments.get(f.name, "").replace("%", "%%") + f" (default preset: {f.default!r})")
+                       help=comments.get(f.name, "").replace("%", "%%")
+                       + f" (default preset: {train.PRESETS['default'].get(f.name, f.default)!r})")
     return p
 
 

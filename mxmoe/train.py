@@ -78,12 +78,12 @@ class TrainConfig:
     seq_len: int = 128  # tokens (bytes) per training window = context length
     batch_size: int = 16  # windows per optimizer step (per rank under torchrun)
     # model
-    dim: int = 128  # residual stream width (multiple of 32 under MX recipes: experts quantize along it)
+    dim: int = 128  # residual stream width (a multiple of the recipe's scale groups: 32 for MX, 128 for mxfp8_128)
     layers: int = 2  # transformer blocks, each attention + MoE
     heads: int = 4  # attention heads (dim % heads == 0)
     experts: int = 8  # experts per MoE layer (a multiple of the torchrun processes)
     top_k: int = 2  # experts each token is routed to
-    ffn_dim: int = 256  # hidden width of one expert (multiple of 32 under MX recipes)
+    ffn_dim: int = 256  # hidden width of one expert (a multiple of the recipe's scale groups, as dim)
     aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss
     # optimization
     steps: int = 300  # optimizer steps per recipe
