@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import torch
 
+from mxmoe.backend import capability
 from mxmoe.kernels.sm90_tile_config import (SMEM_PER_CTA, Sm90TileConfig, check_tile_config, sm90_mx128_tile_config,
                                              sm90_tile_config, smem_bytes)
 
@@ -637,7 +638,7 @@ def _check_sm90(t: torch.Tensor) -> None:
         raise RuntimeError("the sm_90 MXFP8 grouped GEMM needs triton >= 3.6 with Gluon")
     if not t.is_cuda:
         raise ValueError("the sm_90 MXFP8 grouped GEMM needs CUDA tensors")
-    cap = torch.cuda.get_device_capability(t.device)
+    cap = capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
     if cap != (9, 0):
         raise RuntimeError(f"the sm_90 MXFP8 grouped GEMM runs on Hopper (sm_90) only; this is sm_{cap[0]}{cap[1]}")
 
