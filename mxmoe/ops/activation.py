@@ -15,29 +15,6 @@ from mxmoe.ops.saved import pack, unpack
 from mxmoe.recipes import Recipe, get_recipe
 
 
-class _SwiGLUQuantize128(torch.autograd.Function):
-    """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual FP8 quantization in 1x128 /
-    128x1 groups (forward: one read of h, a never written; returns a's zero-stride autograd handle and
-    the four FP8 outputs); backward: the torch SwiGLU gradient from h (kept as is, or with ``save_h_fp8``
-    as MXFP8 along 2F in 1x128 groups written by the same read)."""
-
-    @staticmethod
-    def forward(ctx, h, scale_rule: str, save_h_fp8: bool, be: Backend):
-        from mxmoe.kernels import dispatch
-
-        data, scale, data_t, scale_t, qh, sh = dispatch.swiglu_quantize_128(h, scale_rule, save_h_fp8)
-        hs, ctx.h_meta = pack(MXTensor(qh, sh, 1, scale_rule, (1, 128)) if save_h_fp8 else h)
-        ctx.save_for_backward(*hs)
-        ctx.be = be
-        ctx.mark_non_differentiable(data, scale, data_t, scale_t)
-        return grad_handle(h, h.shape[0], h.shape[1] // 2), data, scale, data_t, scale_t
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, da, *_):
-        return _swiglu_backward(da, unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None, None
-
-
 class _SwiGLUQDQ(torch.autograd.Function):
     """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual QDQ (forward, one read of
     h, a never written); backward: the torch SwiGLU gradient (the ops autograd runs for
@@ -61,6 +38,24 @@ class _SwiGLUQDQ(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, da, *_):
         return _swiglu_backward(da, unpack(ctx.saved_tensors, ctx.h_meta), ctx.be), None, None, None
+
+
+class _SwiGLUQuantize128(_SwiGLUQDQ):
+    """``a = silu(gate) * up`` of ``h [M, 2F]`` bf16 fused with a's dual FP8 quantization in 1x128 /
+    128x1 groups (forward: one read of h, a never written; returns a's zero-stride autograd handle and
+    the four FP8 outputs); backward: the torch SwiGLU gradient from h (kept as is, or with ``save_h_fp8``
+    as MXFP8 along 2F in 1x128 groups written by the same read)."""
+
+    @staticmethod
+    def forward(ctx, h, scale_rule: str, save_h_fp8: bool, be: Backend):
+        from mxmoe.kernels import dispatch
+
+        data, scale, data_t, scale_t, qh, sh = dispatch.swiglu_quantize_128(h, scale_rule, save_h_fp8)
+        hs, ctx.h_meta = pack(MXTensor(qh, sh, 1, scale_rule, (1, 128)) if save_h_fp8 else h)
+        ctx.save_for_backward(*hs)
+        ctx.be = be
+        ctx.mark_non_differentiable(data, scale, data_t, scale_t)
+        return grad_handle(h, h.shape[0], h.shape[1] // 2), data, scale, data_t, scale_t
 
 
 def _swiglu_backward(da: torch.Tensor, h: "torch.Tensor | MXTensor", be: Backend) -> torch.Tensor:

@@ -12,30 +12,6 @@ from mxmoe.ops.linear import MXOperands, fused_fp8, fused_qdq, grad_handle
 from mxmoe.recipes import Recipe, get_recipe
 
 
-class _PermuteQuantize128(torch.autograd.Function):
-    """Tokens ``x2 [T, D]`` gathered into the expert-ordered buffer fused with its dual FP8 quantization
-    in 1x128 / 128x1 groups (forward: one read of x2, the buffer never written; returns the zero-stride
-    handle of the buffer and the four FP8 outputs); backward: the gather's gradient (each token sums its
-    top_k slots' rows), quantization straight-through."""
-
-    @staticmethod
-    def forward(ctx, x2, slot_rows, rows: int, top_k: int, scale_rule: str, be: Backend):
-        from mxmoe.kernels import dispatch
-
-        src = row_tokens(slot_rows, rows, top_k)
-        data, scale, data_t, scale_t = dispatch.permute_quantize_128(x2, src, scale_rule)
-        ctx.save_for_backward(slot_rows)
-        ctx.top_k, ctx.be = top_k, be
-        ctx.mark_non_differentiable(data, scale, data_t, scale_t)
-        return grad_handle(x2, rows, x2.shape[1]), data, scale, data_t, scale_t
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dxp, *_):
-        (slot_rows,) = ctx.saved_tensors
-        return _permute_backward(dxp, slot_rows, ctx.top_k, ctx.be), None, None, None, None, None
-
-
 class _PermuteQDQ(torch.autograd.Function):
     """Tokens ``x2 [T, D]`` bf16 gathered into the expert-ordered buffer fused with its dual QDQ
     (forward: one read of x2, the BF16 buffer never written); backward: the gradient of the
@@ -58,6 +34,24 @@ class _PermuteQDQ(torch.autograd.Function):
     def backward(ctx, dxp, *_):
         (slot_rows,) = ctx.saved_tensors
         return _permute_backward(dxp, slot_rows, ctx.top_k, ctx.be), None, None, None, None, None
+
+
+class _PermuteQuantize128(_PermuteQDQ):
+    """Tokens ``x2 [T, D]`` gathered into the expert-ordered buffer fused with its dual FP8 quantization
+    in 1x128 / 128x1 groups (forward: one read of x2, the buffer never written; returns the zero-stride
+    handle of the buffer and the four FP8 outputs); backward: the gather's gradient (each token sums its
+    top_k slots' rows, :class:`_PermuteQDQ`'s), quantization straight-through."""
+
+    @staticmethod
+    def forward(ctx, x2, slot_rows, rows: int, top_k: int, scale_rule: str, be: Backend):
+        from mxmoe.kernels import dispatch
+
+        src = row_tokens(slot_rows, rows, top_k)
+        data, scale, data_t, scale_t = dispatch.permute_quantize_128(x2, src, scale_rule)
+        ctx.save_for_backward(slot_rows)
+        ctx.top_k, ctx.be = top_k, be
+        ctx.mark_non_differentiable(data, scale, data_t, scale_t)
+        return grad_handle(x2, rows, x2.shape[1]), data, scale, data_t, scale_t
 
 
 def row_slots(slot_rows: torch.Tensor, rows: int) -> torch.Tensor:
