@@ -1,12 +1,12 @@
 """Our grouped GEMM variants beside cuBLAS/CUTLASS on one shape: do_bench TFLOP/s, or one launch each for ncu.
 
-    python benchmarks/profile_grouped_gemm.py time [shape] [up|down]
+    python benchmarks/profile_grouped_gemm.py time [shape] [up|down] [case,case,...]
     ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight --section SchedulerStats \\
         --metrics sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed \\
         --csv --page details python benchmarks/profile_grouped_gemm.py prof [shape] [up|down]
 
 fprop of the up projection (N = 2 x FFN, K = hidden; ``down``: N = hidden, K = FFN), balanced token counts
-(default shape mixtral-8x7b). The mx128 kernel (recipe mxfp8_128) is timed in its default configuration and
+(default shape mixtral-8x7b; or ``E:M:hidden:ffn``); an optional comma list keeps only those cases. The mx128 kernel (recipe mxfp8_128) is timed in its default configuration and
 with the fields the next A/B needs (chain, stages, group_m), beside a per-expert cuBLAS block-scaled loop.
 Variants: the real kernel (1x32; 32x32 at 256 x 2, its default, at 256 x 3 with register stores, and at
 128 x 4), the bare MMA pipeline
@@ -31,7 +31,9 @@ from mxmoe.kernels.sm90_tile_config import Sm90TileConfig as C  # noqa: E402
 
 def main():
     mode = sys.argv[1]
-    E, M, hidden, ffn = B.SHAPES[sys.argv[2] if len(sys.argv) > 2 else "mixtral-8x7b"]
+    shape = sys.argv[2] if len(sys.argv) > 2 else "mixtral-8x7b"
+    E, M, hidden, ffn = B.SHAPES[shape] if shape in B.SHAPES else map(int, shape.split(":"))
+    only = sys.argv[4].split(",") if len(sys.argv) > 4 else None
     N, Kd = (hidden, ffn) if len(sys.argv) > 3 and sys.argv[3] == "down" else (2 * ffn, hidden)
     offs = torch.tensor(B.token_counts(M, E, "balanced", torch.Generator().manual_seed(1))).cumsum(0)
     offs = offs.to(torch.int32).cuda()
@@ -83,6 +85,8 @@ def main():
     }
     flop = 2.0 * M * N * Kd
     for name, fn in cases.items():
+        if only is not None and name not in only:
+            continue
         fn()
         torch.cuda.synchronize()
         if mode == "time":
