@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from mxmoe.formats import MXTensor, quantize
-from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (
-    sm90_grouped_scale_layout,
-    sm90_mxfp8_k_grouped_gemm,
-    sm90_mxfp8_m_grouped_gemm,
-    sm90_scale_layout,
-)
+from mxmoe.kernels.sm90_mxfp8_grouped_gemm import sm90_mxfp8_k_grouped_gemm, sm90_mxfp8_m_grouped_gemm
+from mxmoe.kernels.sm90_scales import sm90_grouped_scale_layout, sm90_scale_layout
 
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 sm90 = pytest.mark.skipif(not IS_SM90, reason="needs an sm_90 (Hopper) GPU")

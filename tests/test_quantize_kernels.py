@@ -387,7 +387,7 @@ def test_interpreter(interpreter_results, case):
 def test_sm90_ref_matches_gemm_contract():
     """Our reading of the Hopper GEMM's scale layout equals its own helper (where it imports)."""
     try:
-        from mxmoe.kernels.sm90_mxfp8_grouped_gemm import sm90_scale_layout
+        from mxmoe.kernels.sm90_scales import sm90_scale_layout
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"sm90 GEMM module not importable here: {e}")
     gen = torch.Generator().manual_seed(3)

@@ -56,8 +56,8 @@ CTA ``p`` takes tiles ``p, p + P, p + 2P, ...``. For the M-grouped form the wrap
 each expert's tile count on the device (no host sync); the kernel finds a tile's expert by
 binary search over the cumulative tile counts.
 
-Scale layouts the kernels read (made by :func:`sm90_scale_layout` in the wrapper for now; a
-quantization kernel can write them directly): FP32 values that are exactly ``2^(b-127)``
+Scale layouts the kernels read (made from the E8M0 scales in the wrapper, one launch per operand:
+:mod:`mxmoe.kernels.sm90_scales`): FP32 values that are exactly ``2^(b-127)``
 (NaN for 0xFF), transposed so that one K step's scales for a tile's rows are contiguous:
 
 * activations (A, M-grouped):   ``[K/32, W]``, each expert group starting at a multiple of 4 columns
@@ -74,6 +74,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.backend import capability
+from mxmoe.kernels.sm90_scales import sm90_m_grouped_scales, sm90_scale_layout
 from mxmoe.kernels.sm90_tile_config import (SMEM_PER_CTA, Sm90TileConfig, check_tile_config, sm90_mx128_tile_config,
                                              sm90_tile_config, smem_bytes)
 
@@ -566,69 +567,6 @@ def _nvmma_layout(block, gl_dtype):
 
 
 # ----------------------------------------------------------------------------------------------
-# Scale re-layout (wrapper side for now)
-# ----------------------------------------------------------------------------------------------
-
-_F32_NAN_BITS = 0x7FC00000
-_F32_TWO_POW_M127_BITS = 0x00400000  # 2^-127, the E8M0 byte 0x00 (an FP32 subnormal)
-
-
-def _e8m0_to_f32(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes -> FP32 ``2^(b-127)`` (0xFF -> NaN, 0x00 -> the subnormal 2^-127), same shape."""
-    b = scale.view(torch.uint8).to(torch.int32)
-    bits = b << 23
-    bits = torch.where(b == 0, torch.full_like(bits, _F32_TWO_POW_M127_BITS), bits)
-    bits = torch.where(b == 0xFF, torch.full_like(bits, _F32_NAN_BITS), bits)
-    return bits.view(torch.float32)
-
-
-def sm90_grouped_scale_layout(scale: torch.Tensor, offs: torch.Tensor, align: int = 4):
-    """Row scales of a row-grouped operand -> FP32 ``[K/32, W]`` with every group starting at a
-    multiple of ``align`` columns (the TMA box of a tile's scales must start 16-byte aligned).
-
-    Args:
-        scale: ``[M, K/32]`` E8M0 (row-major), rows grouped by ``offs``.
-        offs: ``[E]`` int32 cumulative group end offsets.
-    Returns:
-        ``(values, starts)``: ``values[k, starts[e] + i]`` is the scale of row ``offs[e-1] + i``,
-        block ``k`` (FP32 ``2^(b-127)``); other columns are 0. ``starts``: ``[E]`` int32. No host sync.
-    """
-    M, kb = scale.shape
-    E = offs.shape[0]
-    offs64 = offs.to(torch.int64)
-    counts = torch.diff(offs64, prepend=offs64.new_zeros(1))
-    padded = (counts + align - 1) // align * align
-    starts = torch.cumsum(padded, 0) - padded
-    width = (M + (align - 1) * E + align - 1) // align * align  # >= sum(padded), known without a sync
-    # Gather (deterministic): column c belongs to group g with starts[g] <= c < starts[g] + padded[g].
-    cols = torch.arange(width, device=scale.device)
-    g = torch.searchsorted(starts + padded, cols, right=True)
-    gc = g.clamp(max=E - 1)
-    i = cols - starts[gc]
-    valid = (g < E) & (i < counts[gc])
-    src = (offs64[gc] - counts[gc] + i).clamp(0, max(M - 1, 0))
-    vals = _e8m0_to_f32(scale).T  # [K/32, M]
-    out = torch.where(valid, vals.index_select(1, src), torch.zeros((), device=scale.device))
-    return out, starts.to(torch.int32)
-
-
-def sm90_scale_layout(scale: torch.Tensor, col_pad: int = 4) -> torch.Tensor:
-    """E8M0 scales ``[..., R, C]`` (row-major) -> FP32 ``2^(b-127)`` values, transposed ``[..., C, R_pad]``.
-
-    ``R_pad`` is ``R`` rounded up to ``col_pad`` (TMA needs 16-byte row strides); pad columns are
-    0. Byte 0xFF becomes NaN, byte 0x00 the subnormal 2^-127. The values are exact powers of two,
-    so the kernel's scale product ``sa * sb`` is exact unless it leaves FP32's range (below
-    2^-149 it flushes to 0, as a block that small cannot move an FP32 sum of normal blocks).
-    """
-    vals = _e8m0_to_f32(scale).transpose(-2, -1)  # [..., C, R]
-    r = vals.shape[-1]
-    r_pad = -(-r // col_pad) * col_pad
-    out = torch.zeros(*vals.shape[:-1], r_pad, dtype=torch.float32, device=scale.device)
-    out[..., :r] = vals
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
 # Launch wrappers
 # ----------------------------------------------------------------------------------------------
 
@@ -756,7 +694,7 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         TypeError / ValueError: wrong dtypes, shapes, layout, K not a multiple of 32, bad ``offs``.
         RuntimeError: not a Hopper GPU, or Triton/Gluon missing.
 
-    The scales are re-laid here: A by :func:`sm90_grouped_scale_layout` to FP32 ``[K/32, W]`` with
+    The scales are re-laid here: A by :func:`~mxmoe.kernels.sm90_scales.sm90_m_grouped_scales` to FP32 ``[K/32, W]`` with
     each group's rows starting at a multiple of 4 columns; B by :func:`sm90_scale_layout` to FP32
     ``[E*K/32, N_pad]`` (1x32) or ``[E*K/32, N/32 padded to 4]`` (32x32).
     """
@@ -789,7 +727,9 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     KB = BK // MX_BLOCK
 
-    sa, sa_starts = sm90_grouped_scale_layout(a_scale, offs)  # [K/32, W], groups 4-aligned
+    nt = triton.cdiv(N, BN)
+    # [K/32, W], groups 4-aligned; [2, E]: cumulative tile counts, A-scale group starts
+    sa, sched = sm90_m_grouped_scales(a_scale, offs, BM, nt)
     if weight_block == 32:
         # one value per 32x32 tile: [E*K/32, N/32 padded]
         sb = sm90_scale_layout(b_scale[:, ::MX_BLOCK, :]).reshape(E * (K // MX_BLOCK), -1)
@@ -797,10 +737,6 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
     else:
         sb = sm90_scale_layout(b_scale).reshape(E * (K // MX_BLOCK), -1)  # [E*K/32, N_pad]
         sb_block = [KB, BN]
-    nt = triton.cdiv(N, BN)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tile_end = torch.cumsum((counts + BM - 1) // BM * nt, 0, dtype=torch.int32)
-    sched = torch.stack([tile_end, sa_starts])  # [2, E]: cumulative tile counts, A-scale group starts
     max_tiles = (triton.cdiv(M, BM) + E) * nt
     grid = (min(_num_sms(a.device), max_tiles), )
     c_desc = _out_desc(out, cfg, sb_block[1])
@@ -899,23 +835,28 @@ def sm90_mx128_scale_layouts(a_scale: torch.Tensor, b_scale: torch.Tensor, offs:
 
     Each 128-group's scale is read from its first 32-block (the others replicate it; not checked),
     so the work is a strided gather of 1/128 (activations) or 1/16384 (weights) of the scale bytes, on
-    the device, with no host sync.
+    the device, one launch per operand (:mod:`mxmoe.kernels.sm90_scales`), with no host sync.
 
     M-grouped (``offs`` given): ``a_scale`` ``[M, K/32]`` (1x128 rows), ``b_scale`` ``[E, N, K/32]``
     (128x128 tiles) -> ``(sa [K/128, W], starts [E] int32, sb [E*K/128, ceil(N/32) padded to 4])``:
-    ``sa`` as :func:`sm90_grouped_scale_layout` (each group's rows start at a multiple of 4 columns),
-    ``sb[e*K/128 + k, c]`` the scale of weight rows ``32c..32c+31`` (one value per 32 output columns,
-    equal in fours inside a 128x128 tile: the kernel's TMA box must start 16-byte aligned).
+    ``sa`` as :func:`~mxmoe.kernels.sm90_scales.sm90_grouped_scale_layout` (each group's rows start at a
+    multiple of 4 columns), ``sb[e*K/128 + k, c]`` the scale of weight rows ``32c..32c+31`` (one value per
+    32 output columns, equal in fours inside a 128x128 tile: the kernel's TMA box must start 16-byte
+    aligned).
 
     K-grouped (``offs`` None): ``a_scale`` ``[N, T/32]``, ``b_scale`` ``[K, T/32]`` (128x1 along
     tokens) -> ``(sa [ceil(T/128), N_pad], None, sb [ceil(T/128), K_pad])`` as :func:`sm90_scale_layout`.
     """
     if offs is None:
         return sm90_scale_layout(a_scale[:, ::_SG]), None, sm90_scale_layout(b_scale[:, ::_SG])
-    sa, starts = sm90_grouped_scale_layout(a_scale[:, ::_SG], offs)
+    sa, sched = sm90_m_grouped_scales(a_scale[:, ::_SG], offs, GROUP, 1)
+    return sa, sched[1], _mx128_weight_scales(b_scale)
+
+
+def _mx128_weight_scales(b_scale: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K/32]`` per-32 scales of 128x128 weight tiles -> FP32 ``[E*K/128, ceil(N/32) padded to 4]``."""
     E, _, kb = b_scale.shape
-    sb = sm90_scale_layout(b_scale[:, ::MX_BLOCK, ::_SG]).reshape(E * (kb // _SG), -1)
-    return sa, starts, sb
+    return sm90_scale_layout(b_scale[:, ::MX_BLOCK, ::_SG]).reshape(E * (kb // _SG), -1)
 
 
 def _check_group_dim(name: str, n: int) -> None:
@@ -983,11 +924,9 @@ def sm90_mx128_m_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
     if M == 0 or N == 0 or E == 0:
         return out
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
-    sa, sa_starts, sb = sm90_mx128_scale_layouts(a_scale, b_scale, offs)
     nt = triton.cdiv(N, BN)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    tile_end = torch.cumsum((counts + BM - 1) // BM * nt, 0, dtype=torch.int32)
-    sched = torch.stack([tile_end, sa_starts])
+    sa, sched = sm90_m_grouped_scales(a_scale[:, ::_SG], offs, BM, nt)  # [K/128, W]; [2, E] tiles, starts
+    sb = _mx128_weight_scales(b_scale)
     grid = (min(_num_sms(a_data.device), (triton.cdiv(M, BM) + E) * nt), )
     sb_block = [BK // GROUP, 32]  # 128 bytes: every stage's box starts 128-byte aligned in smem
     c_desc = _out_desc(out, cfg, sb_block[1])
