@@ -6,8 +6,7 @@ per-expert PyTorch loop, on the DESIGN §5 shapes at 16384 tokens per step, same
 Per row: median fwd+bwd ms (CUDA events over `--iters` steps after warm-up), peak memory of the
 step, memory held for backward (allocated after forward minus before), and, from one profiled
 step, the share of GPU kernel time spent in quantization kernels and a per-stage breakdown by
-kernel name (gemm / quantize / other). With ``--cuda-graph`` also ``graph_ms``: the same step replayed
-from a CUDA graph (the GPU's time without the host's launch work, as a graph-captured training step runs).
+kernel name (gemm / quantize / other).
 dsv3-ep32 has 8 local experts of 256 with top-8 globally; per GPU that is ~2 routed rows per token
 (M = 32768 for 16384 tokens), so the local layer is run with top_k = 2 of 8.
 """
@@ -79,28 +78,6 @@ def step_time(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def graph_step_time(step, iters: int) -> float | None:
-    """Median ms of the step replayed from one CUDA graph (warm-up on a side stream, then capture):
-    the GPU's time with the host's launch work taken out, as a graph-captured or compiled training
-    step sees it. None (with the reason printed) where the step cannot be captured."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        ms = step_time(g.replay, iters)
-        del g
-        return ms
-    except Exception as e:  # noqa: BLE001 - report and go on with the eager figures
-        print(f"  (no CUDA graph: {type(e).__name__}: {str(e)[:200]})", flush=True)
-        return None
-
-
 def kernel_breakdown(fn) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -125,7 +102,7 @@ def kernel_breakdown(fn) -> dict:
     return shares
 
 
-def run_case(name, recipe, skew, tokens, iters, dev, graph=False):
+def run_case(name, recipe, skew, tokens, iters, dev):
     E, D, Fd, k = SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16)
@@ -157,8 +134,7 @@ def run_case(name, recipe, skew, tokens, iters, dev, graph=False):
     peak = torch.cuda.max_memory_allocated() - base
     shares = kernel_breakdown(step)
     top = shares.pop("top_kernels")
-    graph_ms = graph_step_time(step, iters) if graph else None
-    return {"ms": ms, "graph_ms": graph_ms, "peak_mem_gib": peak / 2**30, "saved_for_bwd_gib": held / 2**30,
+    return {"ms": ms, "peak_mem_gib": peak / 2**30, "saved_for_bwd_gib": held / 2**30,
             "quant_share": shares["quantize"], "breakdown": shares, "top_kernels": top}
 
 
@@ -173,8 +149,6 @@ def main():
     ap.add_argument("--routes", default=os.environ.get("MXMOE_SM90_GEMM", "auto"),
                     help="Hopper routes of the MX recipes (MXMOE_SM90_GEMM values, comma-separated), each "
                          "timed in the same run: auto, bf16 (expansion), gluon, mixed")
-    ap.add_argument("--cuda-graph", action="store_true",
-                    help="also time each step replayed from a CUDA graph (graph_ms: no host launch work)")
     args = ap.parse_args()
     dev = "cuda"
     rows = []
@@ -195,7 +169,7 @@ def main():
             for r in args.recipes.split(","):
                 for route in (["auto"] if r in ("bf16", "loop") else routes):  # bf16, loop: no MX products
                     os.environ["MXMOE_SM90_GEMM"] = route
-                    res[r, route] = run_case(name, r, bal == "skewed", args.tokens, args.iters, dev, args.cuda_graph)
+                    res[r, route] = run_case(name, r, bal == "skewed", args.tokens, args.iters, dev)
             bf16, loop = res.get(("bf16", "auto"), {}), res.get(("loop", "auto"), {})
             for (r, route), v in res.items():
                 if r in ("bf16", "loop"):
@@ -207,17 +181,12 @@ def main():
                        "bf16_top_kernels": bf16.get("top_kernels")}
                 row["speedup_vs_bf16"] = row["bf16_ms"] / v["ms"] if row["bf16_ms"] else None
                 row["speedup_vs_loop"] = row["loop_ms"] / v["ms"] if row["loop_ms"] else None
-                row["bf16_graph_ms"] = bf16.get("graph_ms")
-                row["graph_speedup_vs_bf16"] = (row["bf16_graph_ms"] / v["graph_ms"]
-                                                if v["graph_ms"] and row["bf16_graph_ms"] else None)
                 rows.append(row)
                 print(f"{name:14s} {bal:8s} {r:9s} {route:6s} {v['ms']:8.2f} ms  bf16 {row['bf16_ms'] or 0:8.2f}"
                       f"  loop {row['loop_ms'] or 0:8.2f}"
                       f"  x{row['speedup_vs_bf16'] or 0:.2f} vs bf16  x{row['speedup_vs_loop'] or 0:.2f} vs loop"
                       f"  peak {v['peak_mem_gib']:.2f} GiB  saved {v['saved_for_bwd_gib']:.2f} (bf16 {row['bf16_saved_for_bwd_gib'] or 0:.2f})"
-                      f"  quant {100 * v['quant_share']:.0f}%"
-                      + (f"  graph {v['graph_ms'] or 0:.2f} ms vs bf16 {row['bf16_graph_ms'] or 0:.2f}"
-                         f" x{row['graph_speedup_vs_bf16'] or 0:.2f}" if args.cuda_graph else ""), flush=True)
+                      f"  quant {100 * v['quant_share']:.0f}%", flush=True)
             torch.cuda.empty_cache()
             with open(args.out, "w") as f:  # after every shape, so a cut-short run keeps its rows
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -71,6 +71,8 @@ Scale layouts the kernels read (made from the E8M0 scales in the wrapper, one la
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mxmoe.backend import capability
@@ -561,9 +563,16 @@ if HAS_GLUON:
 
 def _nvmma_layout(block, gl_dtype):
     """Shared-memory layout of a TMA box: 128-byte swizzle for FP8 tiles, none for FP32 scale rows."""
-    if gl_dtype == gl.float32:
+    return _box_layout(tuple(block), gl_dtype, gl_dtype != gl.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _box_layout(block: tuple, gl_dtype, swizzled: bool):
+    """The layout object of a TMA box, built once per (box, dtype, swizzle): every product makes four
+    to five descriptors, and building their layouts is host time on the step's critical path."""
+    if not swizzled:
         return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block))
-    return gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -648,8 +657,7 @@ def _out_desc(out2d: torch.Tensor, cfg: Sm90TileConfig, sb_cols: int):
             and rows >= block[0] and cols >= block[1] and smem_bytes(cfg, sb_cols, elt) + 1024 <= SMEM_PER_CTA):
         return None
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[out2d.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype)
-    return TensorDescriptor(out2d, [rows, cols], [cols, 1], block, layout)
+    return TensorDescriptor(out2d, [rows, cols], [cols, 1], block, _box_layout(tuple(block), gl_dtype, True))
 
 
 def _search_steps(num_groups: int) -> int:
