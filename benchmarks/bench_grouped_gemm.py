@@ -81,8 +81,15 @@ def rand_scale_32x32(E, N, KB, device="cuda"):
     return s.repeat_interleave(32, dim=1).contiguous().view(torch.float8_e8m0fnu)
 
 
+CUDA_GRAPH = False  # set by --cudagraph: time replays of a CUDA graph of the call (GPU time, no host launch work)
+
+
 def bench(fn, quick: bool) -> float:
+    """Median ms of ``fn``: do_bench (each call timed alone, so a call whose host work outlasts its kernels
+    is timed by its host work), or with CUDA_GRAPH do_bench_cudagraph (the kernels' own time)."""
     import triton
+    if CUDA_GRAPH:
+        return triton.testing.do_bench_cudagraph(fn, rep=30 if quick else 100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")
 
 

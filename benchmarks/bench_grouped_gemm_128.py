@@ -297,9 +297,12 @@ def main():
     ap.add_argument("--sweep", default=None, help="A/B of tile fields instead of the table: ';'-separated "
                     "configurations, each ','-separated field=value on sm90_mx128_tile_config, e.g. "
                     "'chain=2;chain=4;chain=4,stages=5' (cases: --shapes x --projs, balanced)")
+    ap.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays (the kernels' GPU time; "
+                    "without it each call is timed alone and small products are timed by their host work)")
     ap.add_argument("--chain", type=int, default=None, help="override of the tile config's chain (stages per drain)")
     args = ap.parse_args()
     import triton
+    B.CUDA_GRAPH = args.cudagraph
     global CONFIG
     if args.chain is not None:
         from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
@@ -315,7 +318,8 @@ def main():
     rows = []
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                  tflops_formula="2*M*N*K/time", timing="triton.testing.do_bench median", quick=args.quick,
+                  tflops_formula="2*M*N*K/time", timing="triton.testing." + ("do_bench_cudagraph" if args.cudagraph else "do_bench") + " median",
+                  quick=args.quick,
                   tile=f"sm90_mx128_tile_config (128x128x128, 4 stages, TMA-store epilogue), config {CONFIG or 'default'}",
                   rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
