@@ -20,7 +20,7 @@ class Recipe:
     mxfp8: bool = False  # quantize operands to MXFP8 along each GEMM's contraction dim
     weight_block: int = 1  # 1: standard 1x32 weight blocks; 32 / 128: one scale per 32x32 / 128x128 weight tile
     # elements per scale of activations and gradients along each product's contraction dim (K, N, or
-    # tokens for wgrad): 32 (OCP MX blocks) or 128 (DESIGN §9, the Hopper-fast groups; stored as MXFP8
+    # tokens for wgrad): 32 (OCP MX blocks) or 128 (docs/DESIGN.md §9, the Hopper-fast groups; stored as MXFP8
     # with each scale replicated over its four 32-blocks)
     act_block: int = 32
     wgrad_mxfp8: bool = True  # False: wgrad in BF16 even under mxfp8
@@ -100,7 +100,7 @@ RECIPES: dict[str, Recipe] = {
     # mxfp8 holding less for backward: the SwiGLU input kept in MXFP8, the weights requantized in backward
     "mxfp8_lowmem": Recipe("mxfp8_lowmem", mxfp8=True, swiglu_input_fp8=True, requantize_weights=True),
     "mxfp8_bf16_wgrad": Recipe("mxfp8_bf16_wgrad", mxfp8=True, wgrad_mxfp8=False),
-    # the Hopper-fast MX recipe (DESIGN §9): activations and gradients 1x128 along each contraction dim
+    # the Hopper-fast MX recipe (docs/DESIGN.md §9): activations and gradients 1x128 along each contraction dim
     # (128x1 along tokens for wgrad; expert groups padded to 128 rows), weights 128x128 tiles; every
     # tensor still MXFP8 (scales replicated per 32), promoted once per 128 of K on Hopper
     "mxfp8_128": Recipe("mxfp8_128", mxfp8=True, act_block=128, weight_block=128, align=128),

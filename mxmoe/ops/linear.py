@@ -1,6 +1,6 @@
 """The expert linear layer ``y = x W_e^T`` per expert group and its three products: fprop
 (contraction K), dgrad (N), wgrad (tokens), each operand quantized along its product's contraction dim
-under an MXFP8 recipe (DESIGN §4)."""
+under an MXFP8 recipe (docs/DESIGN.md §4)."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
                    x_wgrad: MXTensor | None = None, *, backend: Backend | None = None) -> torch.Tensor:
     """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
 
-    The three GEMMs (DESIGN §4): fprop contracts K (x and W quantized along K), dgrad contracts N
+    The three GEMMs (docs/DESIGN.md §4): fprop contracts K (x and W quantized along K), dgrad contracts N
     (dy along N, W along N), wgrad contracts tokens (dy and x along tokens); each operand is
     quantized along its GEMM's contraction dim under an MXFP8 recipe.
 
@@ -281,8 +281,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
 
 class _ToBF16(torch.autograd.Function):
     """``w.to(torch.bfloat16)`` of an FP32 CUDA tensor whose backward casts the BF16 gradient to
-    FP32 with the layer's cast kernel, not torch's dtype-converting copy (that copy was 8-21% of the
-    bf16 layer's step on an H200, benchmarks/NOTES_moe_layer.md). Same values."""
+    FP32 with the layer's cast kernel, not torch's dtype-converting copy (about twice the kernel's time in
+    the bf16 layer's step: benchmarks/NOTES_moe_layer.md). Same values."""
 
     @staticmethod
     def forward(ctx, w, be: Backend):
