@@ -11,9 +11,9 @@ class Recipe:
 
     Raises:
         TypeError: a flag that is not a bool, a name that is not a string.
-        ValueError: a value outside its choices (``weight_block`` other than the int 1 or 32, ``align``
+        ValueError: a value outside its choices (``weight_block`` other than the int 1, 32 or 128, ``align``
             not a positive int, ...), or a field that needs an MXFP8 recipe on one that is not
-            (``weight_block`` 32, ``requantize_weights``, ``swiglu_input_fp8``).
+            (``weight_block`` 32 or 128, ``requantize_weights``, ``swiglu_input_fp8``).
     """
 
     name: str
@@ -68,6 +68,12 @@ class Recipe:
                              f"to whole groups, so align must be a multiple of {self.act_block}, got {self.align}")
         if self.mxfp8 and self.align % 32:
             raise ValueError(f"MXFP8 recipes pad expert groups to whole 32-token blocks: align must be a multiple of 32, got {self.align}")
+
+    @property
+    def weight_group(self) -> tuple[int, int]:
+        """The MX scale group of the expert weights, as :class:`~mxmoe.formats.MXTensor`'s ``block``:
+        ``(1, 32)`` (``weight_block`` 1), ``(32, 32)`` or ``(128, 128)`` (square tiles)."""
+        return (self.weight_block, self.weight_block) if self.weight_block > 1 else (1, 32)
 
     @property
     def scale_groups(self) -> int:
