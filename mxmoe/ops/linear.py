@@ -197,6 +197,29 @@ class _MXGroupedLinear(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
+def _check_args(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, x_mx: MXTensor | None,
+                x_wgrad: MXTensor | None) -> None:
+    """:func:`grouped_linear`'s ``validate`` checks (its Raises); synchronizes with the GPU once."""
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if not (x.is_floating_point() and w.is_floating_point()):
+        raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
+    if x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
+    sg = recipe.scale_groups
+    if recipe.mxfp8 and (w.shape[1] % sg or w.shape[2] % sg):
+        raise ValueError(f"the {recipe.name} recipe needs N and K divisible by {sg} (its MX scale groups), "
+                         f"got w of shape {tuple(w.shape)}")
+    check_offsets(offs, w.shape[0], x.shape[0])
+    g = recipe.act_block
+    if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % g != 0).any()):
+        raise ValueError(
+            f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {g}: every "
+            f"expert group must end on a multiple of {g} rows (pad the groups, as mxmoe.MoE does), "
+            f"got offs {offs.tolist()}")
+    _check_prequantized(x, x_mx, x_wgrad, recipe)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
                    validate: bool = True, x_mx: MXTensor | None = None,
                    x_wgrad: MXTensor | None = None, *, backend: Backend | None = None) -> torch.Tensor:
@@ -242,24 +265,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     recipe = get_recipe(recipe)
     be = backend or resolve(x.device)
     if validate:
-        if x.dim() != 2 or w.dim() != 3:
-            raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-        if not (x.is_floating_point() and w.is_floating_point()):
-            raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
-        if x.shape[1] != w.shape[2]:
-            raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
-        sg = recipe.scale_groups
-        if recipe.mxfp8 and (w.shape[1] % sg or w.shape[2] % sg):
-            raise ValueError(f"the {recipe.name} recipe needs N and K divisible by {sg} (its MX scale groups), "
-                             f"got w of shape {tuple(w.shape)}")
-        check_offsets(offs, w.shape[0], x.shape[0])
-        g = recipe.act_block
-        if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % g != 0).any()):
-            raise ValueError(
-                f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {g}: every "
-                f"expert group must end on a multiple of {g} rows (pad the groups, as mxmoe.MoE does), "
-                f"got offs {offs.tolist()}")
-        _check_prequantized(x, x_mx, x_wgrad, recipe)
+        _check_args(x, w, offs, recipe, x_mx, x_wgrad)
         if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd
             return x.new_zeros(0, w.shape[1]) + (x.sum() + w.sum()).to(x.dtype) * 0
         end = int(offs[-1]) if offs.numel() else 0
