@@ -52,10 +52,10 @@ SHAPES = {
 }
 
 
-def token_counts(M: int, E: int, balance: str, gen: torch.Generator) -> list[int]:
-    """Rows per expert, multiples of 32 summing to M. Skewed: Zipf(1.2) over a random expert order,
+def token_counts(M: int, E: int, balance: str, gen: torch.Generator, unit: int = 32) -> list[int]:
+    """Rows per expert, multiples of ``unit`` summing to M. Skewed: Zipf(1.2) over a random expert order,
     with the last eighth of that order (at least one expert) empty."""
-    units = M // 32
+    units = M // unit
     if balance == "balanced":
         w = torch.ones(E, dtype=torch.float64)
     else:
@@ -65,7 +65,7 @@ def token_counts(M: int, E: int, balance: str, gen: torch.Generator) -> list[int
         w[torch.argsort(ranks)[-n_empty:]] = 0
     q = torch.floor(w / w.sum() * units).long()
     q[int(torch.argmax(w))] += units - int(q.sum())
-    return [int(v) * 32 for v in q]
+    return [int(v) * unit for v in q]
 
 
 def rand_fp8(*shape, device="cuda"):
@@ -293,6 +293,17 @@ def print_row(r):
           f" err {r.get('bf16x_rel_err', float('nan')):.1e})", flush=True)
 
 
+def run_cases(out: str, result: dict, cases, run) -> None:
+    """``run(*case)`` for every case, its rows appended to ``result["rows"]``; the JSON is written to ``out``
+    after every case, so a cut-short run still leaves its rows."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    for case in cases:
+        result["rows"] += run(*case)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"wrote {len(result['rows'])} rows to {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results/h200/grouped_gemm.json"))
@@ -332,14 +343,8 @@ def main():
                   torch=torch.__version__, triton=triton.__version__, tflops_formula="2*M*N*K/time",
                   timing="triton.testing.do_bench median", fp8_rowwise="torch._scaled_grouped_mm, use_fast_accum=False",
                   quick=args.quick, config=f"sm90_tile_config, overrides {OVERRIDE} (per row: tile)", rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for shape in args.shapes.split(","):
-        for proj in ("up", "down"):
-            for balance in args.balances.split(","):
-                rows += run_case(shape, proj, balance, args.quick, gen)
-                with open(args.out, "w") as f:  # after every case, so a cut-short run still leaves its rows
-                    json.dump(result, f, indent=1)
-    print(f"wrote {len(rows)} rows to {args.out}")
+    cases = [(s, p, b) for s in args.shapes.split(",") for p in ("up", "down") for b in args.balances.split(",")]
+    run_cases(args.out, result, cases, lambda shape, proj, balance: run_case(shape, proj, balance, args.quick, gen))
 
 
 if __name__ == "__main__":

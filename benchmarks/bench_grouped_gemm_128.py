@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 
@@ -37,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_grouped_gemm as B  # noqa: E402
-from mxmoe.formats import MXTensor  # noqa: E402
+from mxmoe.formats import e8m0_to_float  # noqa: E402
 from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
     sm90_mx128_k_grouped_gemm,
     sm90_mx128_m_grouped_gemm,
@@ -49,16 +48,7 @@ CONFIG = None  # --chain: a Sm90TileConfig for every call of ours, else the libr
 
 def token_counts(M: int, E: int, balance: str, gen: torch.Generator) -> list[int]:
     """Rows per expert, multiples of 128 summing to M (B.token_counts' rule on 128-row units)."""
-    units = M // 128
-    if balance == "balanced":
-        w = torch.ones(E, dtype=torch.float64)
-    else:
-        ranks = torch.randperm(E, generator=gen).double() + 1
-        w = ranks ** -1.2
-        w[torch.argsort(ranks)[-max(1, E // 8):]] = 0
-    q = torch.floor(w / w.sum() * units).long()
-    q[int(torch.argmax(w))] += units - int(q.sum())
-    return [int(v) * 128 for v in q]
+    return B.token_counts(M, E, balance, gen, unit=128)
 
 
 def scale_1x128(rows, k, device="cuda"):
@@ -74,24 +64,14 @@ def scale_128x128(E, n, k, device="cuda"):
     return s, t
 
 
-def f32_pow2(b):
-    return torch.exp2(b.float() - 127)
-
-
-def deq(data, scale, rows=None):
-    if rows is not None:
-        data, scale = data[rows], scale[rows]
-    return MXTensor(data, scale, axis=data.dim() - 1).dequantize(torch.float64)
-
-
 def cublas_block_loop(a, sa_bytes, b, tiles, counts):
     """A per-expert loop of cuBLAS block-scaled torch._scaled_mm (BF16 out) as a replayable callable:
     scale_a [M_e, K/128] outer-dim-major, scale_b the [K/128, N/128] transposed view of [N/128, K/128]."""
     jobs, start = [], 0
     for e, n in enumerate(counts):
         if n:
-            s_a = f32_pow2(sa_bytes[start:start + n, ::4]).t().contiguous().t()
-            s_b = f32_pow2(tiles[e]).contiguous().t()
+            s_a = e8m0_to_float(sa_bytes[start:start + n, ::4]).t().contiguous().t()
+            s_b = e8m0_to_float(tiles[e]).contiguous().t()
             jobs.append((a[start:start + n], b[e].t(), s_a, s_b))
         start += n
 
@@ -107,19 +87,6 @@ def cublas_block_loop(a, sa_bytes, b, tiles, counts):
         return g.replay, "cuda graph"
     except Exception as exc:  # pragma: no cover - eager fallback
         return run, f"eager ({type(exc).__name__})"
-
-
-def m_rel_err(out, a, sa, b, sb, counts, gen, n_sample=256):
-    M = sum(counts)
-    rows = torch.randperm(M, generator=gen)[:n_sample].sort().values
-    experts = torch.searchsorted(torch.tensor(counts).cumsum(0), rows, right=True)
-    num = den = 0.0
-    for e in experts.unique().tolist():
-        r = rows[experts == e].to(a.device)
-        ref = deq(a, sa, r) @ deq(b[e], sb[e]).T
-        num += (out[r].double() - ref).pow(2).sum().item()
-        den += ref.pow(2).sum().item()
-    return math.sqrt(num / den)
 
 
 def run_case(shape, proj, balance, quick, gen, pipeline: bool):
@@ -154,13 +121,13 @@ def run_case(shape, proj, balance, quick, gen, pipeline: bool):
                 ms_loop, how = float("nan"), "failed"
                 row["cublas_error"] = f"{type(exc).__name__}: {exc}"[:300]
             out32 = sm90_mx128_m_grouped_gemm(a, sa, b, sb, offs, torch.float32, config=CONFIG)
-            row["rel_err"] = m_rel_err(out32, a, sa, b, sb, counts, gen)
+            row["rel_err"] = B.m_grouped_rel_err(out32, a, sa, b, sb, counts, gen)
             del out32
             fn = lambda: sm90_mx128_m_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16, config=CONFIG)  # noqa: E731
             o1, o2 = fn(), fn()
             row["bitwise_rerun"] = bool(torch.equal(o1[:sum(counts)].view(torch.int16),
                                                     o2[:sum(counts)].view(torch.int16)))
-            row["rel_err_bf16_out"] = m_rel_err(o1, a, sa, b, sb, counts, gen)
+            row["rel_err_bf16_out"] = B.m_grouped_rel_err(o1, a, sa, b, sb, counts, gen)
             del o1, o2
             ms = bench(fn)
             row.update(ms=ms, tflops=tfl(ms), bf16_tflops=tfl(ms_bf16), fp8_rowwise_tflops=tfl(ms_fp8),
@@ -322,14 +289,9 @@ def main():
                   quick=args.quick,
                   tile=f"sm90_mx128_tile_config (128x128x128, 4 stages, TMA-store epilogue), config {CONFIG or 'default'}",
                   rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for shape in args.shapes.split(","):
-        for proj in args.projs.split(","):
-            for balance in args.balances.split(","):
-                rows += run_case(shape, proj, balance, args.quick, gen, not args.no_pipeline)
-                with open(args.out, "w") as f:  # after every case: a cut-short run still leaves its rows
-                    json.dump(result, f, indent=1)
-    print(f"wrote {len(rows)} rows to {args.out}")
+    cases = [(s, p, b) for s in args.shapes.split(",") for p in args.projs.split(",") for b in args.balances.split(",")]
+    B.run_cases(args.out, result, cases,
+                lambda shape, proj, balance: run_case(shape, proj, balance, args.quick, gen, not args.no_pipeline))
 
 
 if __name__ == "__main__":

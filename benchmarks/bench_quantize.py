@@ -480,32 +480,13 @@ def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> N
     launch replaced by a compile of the same arguments and constexprs) and print registers, spill bytes, shared
     memory and SASS size (ptxas -v / cuobjdump of Triton's bundled tools); Gluon where the wrapper takes it on sm_90."""
     import re
-    import subprocess
-    import tempfile
 
     import triton
-    import triton.runtime.jit as jit
-    from triton.backends.compiler import GPUTarget
 
-    class FakeDriver:
-        def get_current_device(self):
-            return 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from offline_sm90 import install_compile_only, ptxas_and_sass
 
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    triton.runtime.driver.set_active(FakeDriver())
-    compiled = []
-    run = jit.JITFunction.run
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        compiled.append(run(self, *args, grid=grid, warmup=True, **kwargs))
-        return compiled[-1]
-
-    jit.JITFunction.run = compile_only
+    compiled = install_compile_only()
     check_inputs = Q._check
 
     def check_cpu(*a, **k):  # the wrappers' checks, CPU tensors accepted
@@ -518,7 +499,6 @@ def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> N
     Q._check, Q._interpreting = check_cpu, lambda: False
     Q._persistent_grid = lambda kernel, args, kwargs, total, device: total
     Q._use_gluon = lambda x3: os.environ.get("MXMOE_QUANT_GLUON", "1") != "0" and x3.stride(2) == 1
-    bins = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     rows = []
     for shape, is_weight in shapes:
         x = wide_randn(shape)
@@ -528,15 +508,7 @@ def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> N
             compiled.clear()
             fn()
             k = compiled[-1]
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-                open(ptx, "w").write(k.asm["ptx"])
-                log = subprocess.run([os.path.join(bins, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
-                                     capture_output=True, text=True)
-                log = log.stdout + log.stderr
-                open(cubin, "wb").write(k.asm["cubin"])
-                sass = subprocess.run([os.path.join(bins, "cuobjdump"), "-sass", cubin], capture_output=True,
-                                      text=True).stdout
+            log, sass = ptxas_and_sass(k)
             regs, spill = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
             row = {"kernel": name, "shape": "x".join(map(str, shape)), "config": kernel_config(name, key, x),
                    "num_warps": k.metadata.num_warps, "registers": int(regs.group(1)) if regs else None,

@@ -15,44 +15,20 @@ import argparse
 import collections
 import os
 import re
-import subprocess
-import tempfile
+import sys
 
 import torch
-import triton
-import triton.runtime.jit as _jit
-from triton.backends.compiler import GPUTarget
 
-
-class _FakeDriver:
-    """Just enough of Triton's active driver for the JIT to compile for sm_90 without a GPU."""
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offline_sm90 import install_compile_only, ptxas_and_sass  # noqa: E402
 
 
 def _install_compile_only():
     """Make every kernel[grid](...) launch a compile-only warmup; returns the list the kernels land in."""
     import mxmoe.kernels.sm90_mxfp8_grouped_gemm as G
-    triton.runtime.driver.set_active(_FakeDriver())
     G._check_sm90 = lambda t: None
     G._num_sms = lambda device: 132
-    compiled = []
-    run = _jit.JITFunction.run
-
-    def run_compile_only(self, *args, grid, warmup, **kwargs):
-        k = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append(k)
-        return k
-
-    _jit.JITFunction.run = run_compile_only
-    return compiled
+    return install_compile_only()
 
 
 def _cases():
@@ -107,22 +83,13 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="case names to compile (default: all)")
     args = ap.parse_args()
     compiled = _install_compile_only()
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     for name, thunk in _cases():
         if args.only and name not in args.only:
             continue
         compiled.clear()
         thunk()
         k = compiled[-1]
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-            open(ptx_path, "w").write(k.asm["ptx"])
-            log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", cubin],
-                                 capture_output=True, text=True)
-            log = log.stdout + log.stderr
-            open(cubin, "wb").write(k.asm["cubin"])
-            sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
-                                  text=True).stdout
+        log, sass = ptxas_and_sass(k)
         ops = _mix(sass)
         total = sum(ops.values())
         stack = re.search(r"(\d+) bytes stack frame", log)

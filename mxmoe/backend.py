@@ -114,7 +114,7 @@ class Backend:
             plain = "torch._grouped_mm" if recipe.compute_dtype == "bfloat16" and self.arch != "cpu" else "reference"
             return dict.fromkeys(("fprop", "dgrad", "wgrad"), plain)
         a = (1, recipe.act_block)
-        w = (recipe.weight_block, recipe.weight_block) if recipe.weight_block > 1 else (1, 32)
+        w = recipe.weight_group
         plain = "torch._grouped_mm" if self.arch != "cpu" else "reference"
         wgrad = self.gemm_route(True, a, a) if recipe.wgrad_mxfp8 else f"{plain} ({recipe.compute_dtype})"
         return {"fprop": self.gemm_route(False, a, w), "dgrad": self.gemm_route(False, a, w), "wgrad": wgrad}

@@ -4,7 +4,7 @@ Source: OCP Microscaling Formats (MX) Specification v1.0, section 5 (MXFP8 = E4M
 E8M0 shared scale, block size 32). This module is the pure-torch reference ("twin") of every
 quantization kernel in :mod:`mxmoe.kernels`: kernels must match it bit for bit.
 
-Exact semantics (DESIGN §3), stated on the FP32 bit pattern of ``amax``, the largest ``|x|`` of
+Exact semantics (docs/DESIGN.md §3), stated on the FP32 bit pattern of ``amax``, the largest ``|x|`` of
 a block (biased exponent field ``E``, 23-bit mantissa field ``m``):
 
 * ``rceil`` (default): the smallest power of two ``s`` with ``s >= amax / 448``, so no element
@@ -32,7 +32,7 @@ E8M0_BIAS = 127  # E8M0 byte b means 2^(b - 127)
 E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
 BLOCK = 32  # elements per scale along the quantized axis (OCP MX v1.0)
-# Scale groups (DESIGN §9): how many elements share one E8M0 scale. Scales are always stored per
+# Scale groups (docs/DESIGN.md §9): how many elements share one E8M0 scale. Scales are always stored per
 # 32-element block (so every tensor is standard MXFP8); coarser groups replicate their scale.
 #   (1, 32)    standard 1x32 blocks along the quantized axis
 #   (1, 128)   one scale per 128 consecutive elements along the quantized axis (Hopper-fast activations)

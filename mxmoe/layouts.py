@@ -13,9 +13,15 @@ Layout", cuBLAS docs, section on ``CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0``) a
 
 For grouped (per-expert) activations each group's rows start on a 128-row boundary of the
 blocked scale tensor: group ``g`` occupies ``ceil(n_g/128)*128`` padded rows.
+
+Group padding (:func:`padded_groups`, :func:`padded_rows`) is the one planner of grouped buffers: the MoE
+layer's expert-ordered buffer (``moe.permute_plan``, groups padded to ``recipe.align``), the expert-parallel
+local buffer (``parallel.ExpertParallelMoE.dispatch_plan``) and the grouped blocked scales (128 rows).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,6 +32,28 @@ COL_TILE = 4
 def round_up(a: int, b: int) -> int:
     """``a`` rounded up to a multiple of ``b`` (positive ints)."""
     return -(-a // b) * b
+
+
+def padded_groups(counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups of ``counts[g]`` rows laid out one after the other, each padded to a multiple of ``align`` rows.
+
+    Args:
+        counts: ``[E]`` integer tensor (int64 in the layers), rows of each group, any device.
+        align: positive int, the row multiple every group starts on.
+    Returns:
+        ``(starts, ends)``, both ``[E]`` of ``counts``' dtype and device: ``starts[g]`` the first padded row
+        of group g, ``ends[g] = starts[g] + ceil(counts[g] / align) * align`` (cumulative: ``ends[-1]`` is the
+        padded total). Device ops only, no host synchronization.
+    """
+    padded = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0)
+    return ends - padded, ends
+
+
+def padded_rows(num_rows: int, num_groups: int, align: int) -> int:
+    """Static bound on ``padded_groups(counts, align)``'s total for any ``num_groups`` counts summing to
+    ``num_rows``: ``ceil((num_rows + num_groups * (align - 1)) / align) * align`` (host ints, no sync)."""
+    return math.ceil((num_rows + num_groups * (align - 1)) / align) * align
 
 
 def check_offsets(offs: torch.Tensor, num_groups: int | None, extent: int, what: str = "rows") -> None:
@@ -112,9 +140,7 @@ def blocked_group_offsets(offs: torch.Tensor) -> torch.Tensor:
     Returns:
         int32 ``[E]``: ``cumsum(ceil(n_g / 128) * 128)``.
     """
-    sizes = group_sizes_from_offsets(offs)
-    padded = (sizes + ROW_TILE - 1) // ROW_TILE * ROW_TILE
-    return torch.cumsum(padded, 0).to(torch.int32)
+    return padded_groups(group_sizes_from_offsets(offs), ROW_TILE)[1].to(torch.int32)
 
 
 def to_blocked_grouped(scale: torch.Tensor, offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,6 @@ defined and zero rows add nothing.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from torch import nn
 
 from mxmoe.backend import Backend, resolve
 from mxmoe.formats import MXTensor
+from mxmoe.layouts import padded_groups, padded_rows
 from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
 from mxmoe.ops.linear import MXOperands
 from mxmoe.recipes import Recipe, get_recipe
@@ -54,13 +54,9 @@ def _prequantized(x_mx: "MXTensor | MXOperands | None") -> dict:
     return {"x_mx": x_mx, "x_wgrad": None}
 
 
-def padded_rows(num_slots: int, num_experts: int, align: int) -> int:
-    """Static size of the padded expert-ordered buffer (upper bound on sum of padded group sizes)."""
-    return math.ceil((num_slots + num_experts * (align - 1)) / align) * align
-
-
 def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """Rows of each routed slot in an expert-ordered buffer whose groups start on ``align`` rows.
+    """Rows of each routed slot in an expert-ordered buffer whose groups start on ``align`` rows
+    (:func:`mxmoe.layouts.padded_groups`; size :func:`mxmoe.layouts.padded_rows`).
 
     Args:
         experts: ``[T, top_k]`` int64 expert ids.
@@ -73,15 +69,13 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     M = padded_rows(n, num_experts, align)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync the GPU to size its output
-    padded = (counts + align - 1) // align * align
-    group_start = torch.cumsum(padded, 0) - padded  # padded start row of each expert
+    group_start, ends = padded_groups(counts, align)  # padded start / end row of each expert
     order = torch.argsort(flat, stable=True)  # slots in expert order
     first_sorted = torch.cumsum(counts, 0) - counts  # position in `order` where each expert starts
     sorted_experts = flat[order]
     rank = torch.arange(n, device=flat.device) - first_sorted[sorted_experts]
     slot_rows = torch.empty_like(flat)
     slot_rows[order] = group_start[sorted_experts] + rank
-    ends = torch.cumsum(padded, 0)
     ends[-1:].fill_(M)  # not ends[-1] = M: torch.compile makes that a CPU tensor constant (no CUDA graph)
     return slot_rows, ends.to(torch.int32), M, counts
 

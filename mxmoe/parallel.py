@@ -40,6 +40,7 @@ from torch import nn
 
 from mxmoe import ops
 from mxmoe.formats import BLOCK, MXTensor
+from mxmoe.layouts import padded_groups
 from mxmoe.moe import MoE, Routing
 from mxmoe.ops import quantize
 from mxmoe.recipes import Recipe
@@ -366,10 +367,8 @@ class ExpertParallelMoE(MoE):
         recv_counts = host[W * El:].view(W, El)  # [W, E_l]
         recv_splits = recv_counts.sum(1).tolist()
         per_expert = recv_counts.sum(0)  # [E_l]
-        padded = (per_expert + align - 1) // align * align
-        ends = torch.cumsum(padded, 0)
+        group_start, ends = padded_groups(per_expert, align)  # [E_l] padded first / end row of each group
         M = max(int(ends[-1]), align)
-        group_start = ends - padded
         block_start = group_start + torch.cumsum(recv_counts, 0) - recv_counts  # [W, E_l] first row of (src, e)
         seg_len = recv_counts.reshape(-1)  # receive order is (src, e)
         seg_first = torch.cumsum(seg_len, 0) - seg_len  # first received row of each (src, e) segment

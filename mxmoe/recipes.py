@@ -11,16 +11,16 @@ class Recipe:
 
     Raises:
         TypeError: a flag that is not a bool, a name that is not a string.
-        ValueError: a value outside its choices (``weight_block`` other than the int 1 or 32, ``align``
+        ValueError: a value outside its choices (``weight_block`` other than the int 1, 32 or 128, ``align``
             not a positive int, ...), or a field that needs an MXFP8 recipe on one that is not
-            (``weight_block`` 32, ``requantize_weights``, ``swiglu_input_fp8``).
+            (``weight_block`` 32 or 128, ``requantize_weights``, ``swiglu_input_fp8``).
     """
 
     name: str
     mxfp8: bool = False  # quantize operands to MXFP8 along each GEMM's contraction dim
     weight_block: int = 1  # 1: standard 1x32 weight blocks; 32 / 128: one scale per 32x32 / 128x128 weight tile
     # elements per scale of activations and gradients along each product's contraction dim (K, N, or
-    # tokens for wgrad): 32 (OCP MX blocks) or 128 (DESIGN §9, the Hopper-fast groups; stored as MXFP8
+    # tokens for wgrad): 32 (OCP MX blocks) or 128 (docs/DESIGN.md §9, the Hopper-fast groups; stored as MXFP8
     # with each scale replicated over its four 32-blocks)
     act_block: int = 32
     wgrad_mxfp8: bool = True  # False: wgrad in BF16 even under mxfp8
@@ -70,6 +70,12 @@ class Recipe:
             raise ValueError(f"MXFP8 recipes pad expert groups to whole 32-token blocks: align must be a multiple of 32, got {self.align}")
 
     @property
+    def weight_group(self) -> tuple[int, int]:
+        """The MX scale group of the expert weights, as :class:`~mxmoe.formats.MXTensor`'s ``block``:
+        ``(1, 32)`` (``weight_block`` 1), ``(32, 32)`` or ``(128, 128)`` (square tiles)."""
+        return (self.weight_block, self.weight_block) if self.weight_block > 1 else (1, 32)
+
+    @property
     def scale_groups(self) -> int:
         """Elements per scale the layer's dims must be whole multiples of: the largest of the
         activation group and the weight tile (32 for the OCP MX recipes, 128 for ``mxfp8_128``)."""
@@ -100,7 +106,7 @@ RECIPES: dict[str, Recipe] = {
     # mxfp8 holding less for backward: the SwiGLU input kept in MXFP8, the weights requantized in backward
     "mxfp8_lowmem": Recipe("mxfp8_lowmem", mxfp8=True, swiglu_input_fp8=True, requantize_weights=True),
     "mxfp8_bf16_wgrad": Recipe("mxfp8_bf16_wgrad", mxfp8=True, wgrad_mxfp8=False),
-    # the Hopper-fast MX recipe (DESIGN §9): activations and gradients 1x128 along each contraction dim
+    # the Hopper-fast MX recipe (docs/DESIGN.md §9): activations and gradients 1x128 along each contraction dim
     # (128x1 along tokens for wgrad; expert groups padded to 128 rows), weights 128x128 tiles; every
     # tensor still MXFP8 (scales replicated per 32), promoted once per 128 of K on Hopper
     "mxfp8_128": Recipe("mxfp8_128", mxfp8=True, act_block=128, weight_block=128, align=128),

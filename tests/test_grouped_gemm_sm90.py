@@ -37,6 +37,26 @@ def _rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def _m_grouped_ref(ad, bd, counts, M):
+    """FP64 M-grouped product: rows of group e of ad [M, K] times bd[e]^T ([E, N, K]); NaN past the groups."""
+    ref = torch.full((M, bd.shape[1]), float("nan"), dtype=torch.float64, device=ad.device)
+    start = 0
+    for e, n in enumerate(counts):
+        ref[start:start + n] = ad[start:start + n] @ bd[e].T
+        start += n
+    return ref
+
+
+def _k_grouped_ref(ad, bd, counts):
+    """FP64 K-grouped (wgrad) product [E, N, K]: each group's tokens of ad [N, T] times those of bd [K, T]."""
+    ref = torch.zeros(len(counts), ad.shape[0], bd.shape[0], dtype=torch.float64, device=ad.device)
+    start = 0
+    for e, n in enumerate(counts):
+        ref[e] = ad[:, start:start + n] @ bd[:, start:start + n].T
+        start += n
+    return ref
+
+
 def _m_grouped_case(counts, N, K, weight_block, extra_rows=0, device="cuda", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     M = sum(counts) + extra_rows
@@ -44,12 +64,7 @@ def _m_grouped_case(counts, N, K, weight_block, extra_rows=0, device="cuda", see
     a = quantize(_rand_blocks(M, K, device=device, gen=g))
     b = quantize(_rand_blocks(E, N, K, device=device, gen=g), axis=-1, block=(32, 32) if weight_block == 32 else 32)
     offs = _offs(counts, device)
-    ad, bd = a.dequantize(torch.float64), b.dequantize(torch.float64)
-    ref = torch.full((M, N), float("nan"), dtype=torch.float64, device=device)
-    start = 0
-    for e, n in enumerate(counts):
-        ref[start:start + n] = ad[start:start + n] @ bd[e].T
-        start += n
+    ref = _m_grouped_ref(a.dequantize(torch.float64), b.dequantize(torch.float64), counts, M)
     return a, b, offs, ref, sum(counts)
 
 
@@ -59,13 +74,7 @@ def _k_grouped_case(counts, N, K, extra_tokens=0, device="cuda", seed=0):
     a = quantize(_rand_blocks(N, T, device=device, gen=g))  # dy^T, quantized along tokens
     b = quantize(_rand_blocks(K, T, device=device, gen=g))  # x^T
     offs = _offs(counts, device)
-    ad, bd = a.dequantize(torch.float64), b.dequantize(torch.float64)
-    ref = torch.zeros(len(counts), N, K, dtype=torch.float64, device=device)
-    start = 0
-    for e, n in enumerate(counts):
-        ref[e] = ad[:, start:start + n] @ bd[:, start:start + n].T
-        start += n
-    return a, b, offs, ref
+    return a, b, offs, _k_grouped_ref(a.dequantize(torch.float64), b.dequantize(torch.float64), counts)
 
 
 def _run_m(a, b, offs, out_dtype, weight_block, config=None):

@@ -15,6 +15,7 @@ from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (
     sm90_mx128_scale_layouts,
 )
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, check_tile_config, sm90_mx128_tile_config
+from test_grouped_gemm_sm90 import _k_grouped_ref, _m_grouped_ref, _offs, _rel_err
 
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 sm90 = pytest.mark.skipif(not IS_SM90, reason="needs an sm_90 (Hopper) GPU")
@@ -33,14 +34,6 @@ def _rand(*shape, device, gen=None):
     return x * torch.exp2(e.float().repeat_interleave(4, -1)[..., :n] + f.float()).repeat_interleave(32, dim=-1)
 
 
-def _offs(counts, device):
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-
-
-def _rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 def _weights(E, N, K, device, gen, dgrad):
     """128x128-tile weights as the GEMM's B operand: fprop [E, N, K]; dgrad the same quantized values
     in the other orientation, [E, K, N] (requantize_free_swap: no new rounding)."""
@@ -57,13 +50,7 @@ def _m_case(counts, N, K, extra_rows=0, dgrad=False, device="cuda", seed=0):
     # dgrad: the weight [E, K_out, N_contract] is made from [E, N_contract, K_out]: swap the roles
     bd, bs, bref = _weights(E, K, N, device, g, True) if dgrad else _weights(E, N, K, device, g, False)
     offs = _offs(counts, device)
-    ad = a.dequantize(torch.float64)
-    ref = torch.full((M, bd.shape[1]), float("nan"), dtype=torch.float64, device=device)
-    start = 0
-    for e, n in enumerate(counts):
-        ref[start:start + n] = ad[start:start + n] @ bref[e].T
-        start += n
-    return a, (bd, bs), offs, ref, sum(counts)
+    return a, (bd, bs), offs, _m_grouped_ref(a.dequantize(torch.float64), bref, counts, M), sum(counts)
 
 
 def _k_case(counts, N, K, extra_tokens=0, device="cuda", seed=0):
@@ -72,13 +59,7 @@ def _k_case(counts, N, K, extra_tokens=0, device="cuda", seed=0):
     a = quantize(_rand(N, T, device=device, gen=g), -1, block=128)  # dy^T, 128x1 groups along tokens
     b = quantize(_rand(K, T, device=device, gen=g), -1, block=128)  # x^T
     offs = _offs(counts, device)
-    ad, bd = a.dequantize(torch.float64), b.dequantize(torch.float64)
-    ref = torch.zeros(len(counts), N, K, dtype=torch.float64, device=device)
-    start = 0
-    for e, n in enumerate(counts):
-        ref[e] = ad[:, start:start + n] @ bd[:, start:start + n].T
-        start += n
-    return a, b, offs, ref
+    return a, b, offs, _k_grouped_ref(a.dequantize(torch.float64), b.dequantize(torch.float64), counts)
 
 
 def _run_m(a, b, offs, out_dtype, config=None):

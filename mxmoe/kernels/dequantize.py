@@ -1,6 +1,6 @@
 """MXFP8 -> BF16 dequantization (Triton), for exact MX products on BF16 tensor cores.
 
-Hopper has no block-scaled tensor cores (DESIGN §2). One exact route: expand the MX operands to
+Hopper has no block-scaled tensor cores (docs/DESIGN.md §2). One exact route: expand the MX operands to
 BF16 (``e4m3 * 2^(b-127)`` has 4 significant bits, so it is exactly a BF16 value whenever it lies
 in FP32's normal range, BF16 having FP32's exponent range) and multiply with BF16 wgmma and FP32
 accumulation (``torch._grouped_mm``). The result is the MX product up to FP32 summation order;

@@ -97,11 +97,10 @@ def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool):
     return _ops().swiglu_quantize_128(h, scale_rule, save_h)
 
 
-# The Hopper default route for 1x32 / 32x32 operands is the expansion (mxmoe.backend: MXMOE_SM90_GEMM=auto).
-# H200, 2026-11-30 (benchmarks/results/h200/grouped_gemm.json, moe_layer_routes_s10.json,
-# moe_layer_routes_s11.json; benchmarks/NOTES_grouped_gemm.md): our 1x32 kernel runs at 0.42-0.64x BF16
-# and the 32x32 one at 0.67-1.05x, and in the MoE layer the expansion route stayed ahead on 3 of 4 shapes
-# ("mixed" only on Llama-4), so both stay selectable and the expansion is the default.
+# The Hopper default route for 1x32 / 32x32 operands is the expansion (mxmoe.backend: MXMOE_SM90_GEMM=auto):
+# the sm90 kernels for those groups are slower than BF16, and in the MoE layer the expansion route is ahead
+# on most shapes (benchmarks/NOTES_grouped_gemm.md, benchmarks/NOTES_moe_layer.md), so both stay selectable
+# and the expansion is the default.
 
 
 def _kmajor(t):

@@ -2,9 +2,9 @@
 :mod:`mxmoe.kernels.layer`): row gather (the token permutation), weighted gather-sum (the top-k
 combine, and the permutation's backward), the combine's backward, and SwiGLU with its backward.
 
-Each replaces a chain of torch ops that writes and re-reads [rows, D] intermediates: the combine
-was index_select + broadcast multiply + sum (and in backward: zeros + index_copy, two broadcast
-multiplies and a reduction); SwiGLU's backward was silu_backward, two multiplies and a cat.
+Each replaces a chain of torch ops that writes and re-reads [rows, D] intermediates: in torch the
+combine is index_select + broadcast multiply + sum (and in backward: zeros + index_copy, two broadcast
+multiplies and a reduction); SwiGLU's backward is silu_backward, two multiplies and a cat.
 
 Arithmetic: sums and products in FP32, one rounding to the output dtype. SwiGLU follows torch's
 BF16 formulas op for op (see the kernels), so its outputs equal torch's bit for bit on the GPU.

@@ -10,12 +10,12 @@ e.g. expert weights ``[E, N, K]``; any strides, fastest when the last dim is con
                             ``[.., K, M/32]``
 ``quantize_dual``           both of the above from one read of x
 ``quantize_32x32``          one scale per 32x32 tile; both orientations from one read, same
-                            data bytes (DESIGN §2: 2D weight blocks)
+                            data bytes (docs/DESIGN.md §2: 2D weight blocks)
 ``quantize_grouped_rowwise``  grouped rows with int32 end offsets: rowwise data + scales
                             written straight into the per-group 128-row-aligned blocked layout
 ==========================  ===============================================================
 
-The Hopper-fast recipe's forms (DESIGN §9, ``mxfp8_128``): ``quantize_rowwise_128``,
+The Hopper-fast recipe's forms (docs/DESIGN.md §9, ``mxfp8_128``): ``quantize_rowwise_128``,
 ``quantize_columnwise_128``, ``quantize_dual_128`` (1x128 along K / 128x1 along M), ``quantize_128x128``
 (weights, both orientations from one read), and the fused ``permute_quantize_128`` (token gather + dual) and
 ``swiglu_quantize_128`` (SwiGLU + dual); same outputs and storage as the 1x32 forms above (E4M3 data, E8M0
@@ -87,8 +87,8 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
     """Launch config of the 2D kernels, by family (``_TUNED`` key, default below).
 
     A [BM, BK] tile is 8-32 KB of BF16 input (16-byte loads along K, BM a multiple of 32 rows);
-    persistent launches keep loads in flight while a program reduces, converts and stores. Values
-    from benchmarks/bench_quantize.py --sweep on an H200.
+    persistent launches keep loads in flight while a program reduces, converts and stores. Values:
+    the best of ``benchmarks/bench_quantize.py --sweep`` (figures in benchmarks/NOTES_quantize.md).
     """
     if _interpreting():  # few large programs: the interpreter's cost is per program
         return TileConfig(128, 256, 4, True)
@@ -98,8 +98,8 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 
 def _config_128(row: bool, col: bool, tile32: bool) -> TileConfig:
     """Launch config of mx_quantize_kernel with GROUP 128 (1x128 / 128x1 groups, 128x128 tiles): BK % 128 == 0
-    for a row output, BM % 128 == 0 for a column output or tiles. Not yet timed (chosen from offline sm_90
-    compiles, NOTES_quantize.md session 12): rowwise keeps the 1x32 "row" tile's shape and bytes in flight
+    for a row output, BM % 128 == 0 for a column output or tiles. Chosen from offline sm_90 compiles
+    (benchmarks/NOTES_quantize.md): rowwise keeps the 1x32 "row" tile's shape and bytes in flight
     (32 x 256, 4 warps, a 1x128 group is 16 lanes of one warp); the column family needs 128 rows per tile."""
     if _interpreting():
         return TileConfig(128, 256, 4, True)
@@ -116,11 +116,9 @@ def _config_128_fused(save_h: bool) -> TileConfig:
     return _TUNED.get(key) or _DEFAULT_128[key]
 
 
-# Offline sm_90 compiles (BF16 input, row-major scales; registers / spill bytes per thread): rowwise 32x256/w4
-# 128 / 0 (the 1x32 "row" tile's 128 / 0); 128x128 rows only 128x128/w16 92 / 0 (w8: 155 / 0). The Triton column
-# family (off sm_90 or MXMOE_QUANT_GLUON=0; on sm_90 the Gluon kernel runs) needs 128-row tiles and spills:
-# columnwise 128x32/w4 128 / 0 (128x64/w4 229 / 0), dual 128x128/w16 128 / 152 (w8 255 / 16), 128x128 both
-# orientations 128x128/w16 128 / 260 (w8 255 / 8).
+# GROUP 128 tiles: each the one with the fewest registers and spill bytes per thread in offline sm_90 compiles
+# (benchmarks/NOTES_quantize.md). The Triton column family (off sm_90 or MXMOE_QUANT_GLUON=0; on sm_90 the
+# Gluon kernel runs) needs 128-row tiles, and its dual and 128x128 tiles still spill.
 _DEFAULT_128 = {
     "row128": TileConfig(32, 256, 4, False),
     "row128x128": TileConfig(128, 128, 16, True),
@@ -133,23 +131,19 @@ _DEFAULT_128 = {
 
 
 # Tile configs by kernel family ("row", "col", "colrow" = dual, "colrow32" = 32x32 tiles, "grouped";
-# a missing key uses the default of _config_2d): the best of the H200 sweeps
-# (`bench_quantize.py --sweep`, results/h200/quantize_sweep.json and quantize_sweep_s4.json, 2026-11-30), each checked bit for
-# bit against the reference on the GPU by tests/test_quantize_kernels.py::test_gpu_tuned_configs (the
-# "swiglu" entries by tests/test_qdq_kernels.py::test_gpu_swiglu_qdq_equals_composition).
+# a missing key uses the default of _config_2d): the best of `bench_quantize.py --sweep` (figures in
+# benchmarks/NOTES_quantize.md), each checked bit for bit against the reference on the GPU by
+# tests/test_quantize_kernels.py::test_gpu_tuned_configs (the "swiglu" entries by
+# tests/test_qdq_kernels.py::test_gpu_swiglu_qdq_equals_composition).
 _TUNED: dict[str, TileConfig] = {
-    "row": TileConfig(32, 256, 4, False),  # 86-96% of copy on every shape (32x512/w8 fell to 61% on 16384x5120)
-    "col": TileConfig(64, 64, 2, True),  # 68% (32x256/w4: 43%); on sm_90 the Gluon kernel runs instead
-    # dual (the Triton path: MXMOE_QUANT_GLUON=0 or not sm_90). 32x128/w2 timed faster on two shapes but
-    # faulted with blocked scales: an LLVM/NVPTX miscompile of its scale index (NOTES_quantize.md, session 5)
+    "row": TileConfig(32, 256, 4, False),
+    "col": TileConfig(64, 64, 2, True),  # on sm_90 the Gluon kernel runs instead
+    # dual (the Triton path: MXMOE_QUANT_GLUON=0 or not sm_90). Not 32x128/w2: with blocked scales an
+    # LLVM/NVPTX miscompile of its scale index makes it fault (benchmarks/NOTES_quantize.md)
     "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
-    # grouped: 92-94% of copy (session 6 sweep and quantize.json, once the wrapper's torch ops were gone;
-    # 32x256/w4/grid: 89-92%)
     "grouped": TileConfig(32, 512, 8, True),
-    # fused SwiGLU + QDQ (results/h200/swiglu_qdq_configs.txt): 32x64/w2 2.57-2.64 TB/s vs 2.16-2.26 at the
-    # dual QDQ tile 64x64/w2, which spills (632 B/thread offline); with save_h 32x128/w4 2.06-2.08 TB/s
-    # (64x64/w2: 0.70-0.77, 3 KB of spills)
+    # fused SwiGLU + QDQ: smaller than the dual QDQ tile 64x64/w2, which spills with the SwiGLU math
     "swiglu": TileConfig(32, 64, 2, True),
     "swiglu_save_h": TileConfig(32, 128, 4, True),
 }
@@ -157,18 +151,10 @@ _TUNED: dict[str, TileConfig] = {
 
 # Gluon column-family kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
 # in the column layout, RS rows of a 32-row block per thread there. One tile per output family -- the column
-# output alone ("col") or with the rowwise output too ("dual") -- and input width (2: BF16/FP16, 4: FP32), from
-# sweeps on an H200, 2026-11-30 (NOTES_quantize.md, sessions 6, 8, 9).
+# output alone ("col") or with the rowwise output too ("dual") -- and input width (2: BF16/FP16, 4: FP32): the
+# best of the Gluon tile sweeps (figures in benchmarks/NOTES_quantize.md).
 # RS 16 (two lanes per block, one shuffle for its max) makes each warp store write whole 32-byte sectors of the
 # transposed output instead of halves; FP32 input keeps 32.
-# - "dual", 16-bit: same call, CUDA-graph replays (results/h200/quantize_rs_ab_s8.json), RS 32 -> 16, % of copy:
-#   dual 77 / 78 / 80 -> 82 / 83 / 84, qdq_dual +3, qdq_dual_bf16 77-80 -> 90-92, weights both orientations
-#   75 / 80 -> 81 / 87 (32x32: 74 / 78 -> 79 / 84).
-# - "col", 16-bit: 128x128/w4/tm4 with RS 16, within 0.1 point (geometric mean) of the best of 22 tiles
-#   (11 x RS 32/16; 256x128/w16/tm4/rs16) in a do_bench sweep and the best on the smallest shape
-#   (results/h200/quantize_col_sweep_s9.json): columnwise 94.9 / 94.9 / 92.9% on the three activation shapes,
-#   weights 97.4 / 99.4%, against 89.0 / 89.3 / 86.8 and 90.2 / 92.2 for the session-6 tile 256x64/w4/tm8/rs32,
-#   which lost 5-10 points with RS 16 alone (session 8); FP32 keeps it (columnwise 97-98%).
 _GLUON_TILES = {
     ("col", 2): dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16),
     ("col", 4): dict(MB=8, BK=64, WM=1, WK=4, TM=8, RS=32),
@@ -178,9 +164,8 @@ _GLUON_TILES = {
 
 
 # Gluon tiles of the SwiGLU input mode (swiglu_quantize_128, 16-bit): two input tiles and the silu math per element
-# need more registers than dual's tile (8 warps: 205 registers, 255 + 12 bytes of spills with save_h, offline sm_90),
-# so 16 warps over the same 128x128 tile: 113 registers / 0 spills, with save_h WM 2 / TM 2 for 128 / 0 (the
-# WM 1 / TM 4 tile spilled 44 bytes there). Not yet timed.
+# need more registers than dual's tile (8 warps spill, offline sm_90), so 16 warps over the same 128x128 tile, and
+# with save_h WM 2 / TM 2, the one that does not spill there (registers: benchmarks/NOTES_quantize.md).
 _GLUON_TILES_SWIGLU = {
     False: dict(MB=4, BK=128, WM=1, WK=16, TM=4, RS=16),
     True: dict(MB=4, BK=128, WM=2, WK=8, TM=2, RS=16),
@@ -209,18 +194,15 @@ def _gluon():
 
 
 # Elements per thread per load in the Gluon kernel, every input dtype: 8 (16 bytes for 16-bit input; two
-# 16-byte loads for FP32, so a 1x32 row block spans 4 lanes as for BF16). FP32 weights 8x28672x4096 /
-# 128x1536x2048, % of copy, one H200 run (results/h200/quantize_fp32_vec_trial_s6.json): qdq_dual 88.8 /
-# 94.2% (4 elements: 84.3 / 87.2%; the Triton kernel the layer used before: 77.9 / 86.1%), columnwise
-# 97.9 / 97.7% (4 elements: 96.7 / 96.4%).
+# 16-byte loads for FP32, so a 1x32 row block spans 4 lanes as for BF16); for FP32 it is faster than 4
+# (benchmarks/NOTES_quantize.md).
 _GLUON_VEC = 8
 
 # Tile order of the Gluon kernel: k-tiles fastest when it writes E4M3 columns and a row output (quantize_dual,
 # quantize_32x32, qdq_dual). A tile writes 4 scale bytes per row; in M-fastest order the next 4 bytes of that row
-# come from a program n_m launches later, so 32-byte scale sectors were written in pieces far apart in time.
-# One H200 run, the same code with and without (results/h200/quantize_kfast_ab_s8.json), % of copy: dual
-# 69 / 63 / 73 -> 75.5 / 76.5 / 76 on the three activation shapes, blocked -0.5 to +1.5, weights 70 -> 74;
-# qdq_dual +2 / -2 / +2; the BF16 column output (qdq_dual_bf16) and columnwise alone lose up to 4 and keep M-fastest.
+# come from a program n_m launches later, so 32-byte scale sectors would be written in pieces far apart in time.
+# The BF16 column output (qdq_dual_bf16) and columnwise alone are slower K-fastest and keep M-fastest
+# (benchmarks/NOTES_quantize.md).
 def _gluon_k_fast(row: int, col: int) -> bool:
     return row != 0 and col == 1
 
@@ -267,7 +249,7 @@ _GLUON_GROUPS = (32, 128)
 
 # Groups up to which mx_quantize_grouped_kernel finds a tile's group with a vector sum over the groups (warp-local
 # while they fit one warp); past it, a binary search over the padded ends: the sum had become a cross-warp
-# reduction (NOTES_quantize.md, session 7).
+# reduction (benchmarks/NOTES_quantize.md).
 _GROUPED_VECTOR_SEARCH_MAX = 32
 
 
@@ -372,8 +354,8 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
                 M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
                 sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
         # tile order: M-fastest (the transposed outputs need it) except rowwise with row-major scales, where
-        # K-fastest lets neighbouring programs write a row's scale bytes together: 86-87 -> 92% of copy on the
-        # two large activations; with blocked / Hopper scales K-fastest lost 1.5-4 points (H200, session 7)
+        # K-fastest lets neighbouring programs write a row's scale bytes together; with blocked / Hopper scales
+        # it is slower (benchmarks/NOTES_quantize.md)
         kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BM=BM, BK=BK,
                       SOFT_CVT=_interpreting(), K_FAST=not col and layout == 0, num_warps=num_warps)
         if group != BLOCK:
@@ -498,7 +480,7 @@ def quantize_32x32(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", scale
     return _launch_2d(x, scale_rule, scale_layout, row=True, col=transposed, tile32=True, name="quantize_32x32")
 
 
-# 1x128 / 128x1 groups and 128x128 tiles (DESIGN §9, recipe mxfp8_128): the same outputs and storage as the
+# 1x128 / 128x1 groups and 128x128 tiles (docs/DESIGN.md §9, recipe mxfp8_128): the same outputs and storage as the
 # 1x32 functions above (E4M3 data, E8M0 scales per 32 elements, each group's scale replicated), equal byte for byte
 # to formats.quantize(x, axis, rule, block=128 or (128, 128)).
 _G128 = 128
@@ -644,9 +626,8 @@ def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule:
 
 def _config_qdq(col: bool) -> TileConfig:
     """Launch config of the QDQ kernels (mx_quantize_kernel's structure, BF16 outputs): with a
-    columnwise output the quantize kernel's "colrow" tile, rowwise its earlier "row" tile
-    (32x512/w8). The columnwise one is the fastest of an H200 sweep of the QDQ kernels
-    (results/h200/qdq_configs_s4.json, 2026-11-30)."""
+    columnwise output the quantize kernel's "colrow" tile, rowwise 32x512/w8. The columnwise one is
+    the fastest of a sweep of the QDQ kernels (benchmarks/NOTES_quantize.md)."""
     if _interpreting():
         return TileConfig(128, 256, 4, True)
     return TileConfig(64, 64, 2, True) if col else TileConfig(32, 512, 8, True)

@@ -7,7 +7,7 @@ Same contracts and numerics as :func:`mxmoe.kernels.quantize_triton.mx_quantize_
 FP32 bits of |x|, E8M0 byte ``E - 8 (+1 rceil)`` clamped to [0, 254], 0xFF and data 0x7F for NaN/Inf
 blocks, E4M3 by ``cvt.rn.satfinite``). Why Gluon: the 32x1 block max runs along M, across the rows
 that a coalesced load spreads over lanes and warps; Triton picks that load layout for the reduction
-too (shuffles and shared-memory rounds per block, 68% of copy at best). Gluon lets us name the two
+too (shuffles and shared-memory rounds per block). Gluon lets us name the two
 layouts and convert once, as a transpose does::
 
     x tile [MB, 32, BK] --coalesced 16-byte loads along K (L_IN)--> registers
@@ -16,10 +16,7 @@ layouts and convert once, as a transpose does::
         lanes); TM lanes take TM neighbouring blocks of the same column, so a warp's transposed store
         writes TM * 32 contiguous bytes of qc[k, :] (RS 16: whole 32-byte sectors per instruction)
 
-The data movement alone (no quantization) runs at 97% of copy in the same design. On the H200
-(benchmarks/NOTES_quantize.md, session 9) this kernel runs columnwise at 94% of copy on activations
-and 96-99% on weights, dual at 81-84% (91% with the Hopper FP32 scales) against 88-90% for dual's data
-movement alone.
+Its throughput against a device copy, and against the same design's data movement alone: benchmarks/NOTES_quantize.md.
 
 Inputs: ``x`` [B, M, K] with unit stride along K, ``M % 32 == 0``; outputs qc [B, K, M] (uint8
 E4M3 bytes) and sc [B, K, M/32] in the scale layout ``LAYOUT`` (0 row-major, 1 cuBLAS blocked, 2
@@ -41,8 +38,8 @@ from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _ma
 def _expand_bf16(q, byte):
     """BF16 of the E4M3 bytes q (uint8) times 2^(byte - 127): the values of dequantize.mx_expand_bf16
     (two normal FP32 powers of two, the second product rounds once; byte 255 -> NaN). Kept apart
-    because it selects the NaN on the integer bits, the form whose SASS ran on the GPU (H200,
-    2026-11-30); calling mx_expand_bf16 changes the SASS of the QDQ modes (not yet re-run)."""
+    because it selects the NaN on the integer bits: calling mx_expand_bf16 here changes the SASS of
+    the QDQ modes, and only this form's SASS is checked on the GPU."""
     e = byte - 127
     e1 = e >> 1
     s1 = ((e1 + 127) << 23).to(gl.float32, bitcast=True)
@@ -53,7 +50,7 @@ def _expand_bf16(q, byte):
 @gluon.jit
 def _group_max(a, AXIS: gl.constexpr):
     """a [D0, D1] or [D0, D1, D2] maxed over groups of 4 neighbouring entries along AXIS and spread back,
-    in a's layout: 32-block maxima -> those of 128-element groups (GROUP 128, DESIGN §9)."""
+    in a's layout: 32-block maxima -> those of 128-element groups (GROUP 128, docs/DESIGN.md §9)."""
     if len(a.shape) == 2:
         g = _max4(gl.reshape(a, [a.shape[0], a.shape[1], 1]), AXIS)
         return gl.convert_layout(gl.reshape(g, [a.shape[0], a.shape[1]]), a.type.layout)
@@ -152,7 +149,7 @@ def mx_quantize_cols_kernel(
     ROW needs K % 32 == 0. The row outputs come from the same load. TILE32 (ROW 1 or 2 with COL 1): one
     scale per 32x32 tile, so both orientations hold the same bytes (quantize_32x32, qdq_dual tile32);
     the scales are stored replicated per row / column, or once per tile in the compact LAYOUT 2.
-    GROUP 128 (DESIGN §9): one scale per 128 elements along each output's axis (1x128 rows, 128x1 columns,
+    GROUP 128 (docs/DESIGN.md §9): one scale per 128 elements along each output's axis (1x128 rows, 128x1 columns,
     TILE32: 128x128 tiles), the max of 4 neighbouring 32-blocks, stored per 32 as above; needs MB % 4 == 0
     and, with ROW, BK % 128 == 0.
     IN_MODE (B == 1) fuses the producer of the tile: 1, the rows gathered from x [T, K] by src [M] (int32/int64;

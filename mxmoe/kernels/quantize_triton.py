@@ -179,7 +179,7 @@ def _tile_frame(x_raw, t, n_m, n_k, M, K, BM: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _max4(a, AXIS: tl.constexpr):
     """Max of a 3D tensor over groups of 4 neighbouring entries along AXIS (its size a multiple of 4),
-    spread back over them: 32-block maxima -> the maxima of 128-element groups (DESIGN §9)."""
+    spread back over them: 32-block maxima -> the maxima of 128-element groups (docs/DESIGN.md §9)."""
     A: tl.constexpr = a.shape[0]
     B: tl.constexpr = a.shape[1]
     C: tl.constexpr = a.shape[2]
@@ -269,7 +269,7 @@ def mx_quantize_kernel(
     ROW: data qr[b] [M, K] + scales sr[b] [M, K/32] (1x32 blocks along K, or the 32x32 tile's).
     COL: data qc[b] [K, M] (x transposed, M contiguous) + scales sc[b] [K, M/32] (blocks along M).
     TILE32: one scale per 32x32 tile (ROW and COL data then hold the same bytes).
-    GROUP 128 (DESIGN §9): one scale per 128 elements along each output's axis (1x128 along K, 128x1
+    GROUP 128 (docs/DESIGN.md §9): one scale per 128 elements along each output's axis (1x128 along K, 128x1
     along M), with TILE32 per 128x128 tile; scales still stored per 32 (replicated). Needs BK % 128 == 0
     with ROW, BM % 128 == 0 with COL or TILE32.
     Tiles cover [M_cover, K_cover] (M, K rounded up to 128 when a blocked scale layout needs
@@ -306,7 +306,7 @@ def _group_rows(p, pad_end, tiles, gmask, offs_ptr, bo_ptr, n_groups, M, SEARCH_
     p's group g is the number of groups whose padded span ends at or before p. Vector search: one
     packed sum gives g (low 32 bits) and g's first padded row (high bits * 128); it is warp-local
     while EP fits one warp, but for more groups it becomes a cross-warp reduction (barriers, more
-    registers: NOTES_quantize.md). SEARCH_BITS > 0 (2**SEARCH_BITS > n_groups): a branch-free binary
+    registers: benchmarks/NOTES_quantize.md). SEARCH_BITS > 0 (2**SEARCH_BITS > n_groups): a branch-free binary
     search over the padded ends bo_ptr[0:n_groups] instead, SEARCH_BITS + 1 dependent scalar loads
     (L1 hits), no reduction.
     """

@@ -1,6 +1,6 @@
 """The expert linear layer ``y = x W_e^T`` per expert group and its three products: fprop
 (contraction K), dgrad (N), wgrad (tokens), each operand quantized along its product's contraction dim
-under an MXFP8 recipe (DESIGN §4)."""
+under an MXFP8 recipe (docs/DESIGN.md §4)."""
 
 from __future__ import annotations
 
@@ -197,12 +197,35 @@ class _MXGroupedLinear(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
+def _check_args(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, x_mx: MXTensor | None,
+                x_wgrad: MXTensor | None) -> None:
+    """:func:`grouped_linear`'s ``validate`` checks (its Raises); synchronizes with the GPU once."""
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if not (x.is_floating_point() and w.is_floating_point()):
+        raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
+    if x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
+    sg = recipe.scale_groups
+    if recipe.mxfp8 and (w.shape[1] % sg or w.shape[2] % sg):
+        raise ValueError(f"the {recipe.name} recipe needs N and K divisible by {sg} (its MX scale groups), "
+                         f"got w of shape {tuple(w.shape)}")
+    check_offsets(offs, w.shape[0], x.shape[0])
+    g = recipe.act_block
+    if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % g != 0).any()):
+        raise ValueError(
+            f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {g}: every "
+            f"expert group must end on a multiple of {g} rows (pad the groups, as mxmoe.MoE does), "
+            f"got offs {offs.tolist()}")
+    _check_prequantized(x, x_mx, x_wgrad, recipe)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
                    validate: bool = True, x_mx: MXTensor | None = None,
                    x_wgrad: MXTensor | None = None, *, backend: Backend | None = None) -> torch.Tensor:
     """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
 
-    The three GEMMs (DESIGN §4): fprop contracts K (x and W quantized along K), dgrad contracts N
+    The three GEMMs (docs/DESIGN.md §4): fprop contracts K (x and W quantized along K), dgrad contracts N
     (dy along N, W along N), wgrad contracts tokens (dy and x along tokens); each operand is
     quantized along its GEMM's contraction dim under an MXFP8 recipe.
 
@@ -242,24 +265,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     recipe = get_recipe(recipe)
     be = backend or resolve(x.device)
     if validate:
-        if x.dim() != 2 or w.dim() != 3:
-            raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-        if not (x.is_floating_point() and w.is_floating_point()):
-            raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
-        if x.shape[1] != w.shape[2]:
-            raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
-        sg = recipe.scale_groups
-        if recipe.mxfp8 and (w.shape[1] % sg or w.shape[2] % sg):
-            raise ValueError(f"the {recipe.name} recipe needs N and K divisible by {sg} (its MX scale groups), "
-                             f"got w of shape {tuple(w.shape)}")
-        check_offsets(offs, w.shape[0], x.shape[0])
-        g = recipe.act_block
-        if recipe.mxfp8 and recipe.wgrad_mxfp8 and bool((offs % g != 0).any()):
-            raise ValueError(
-                f"under the {recipe.name} recipe wgrad quantizes along tokens in blocks of {g}: every "
-                f"expert group must end on a multiple of {g} rows (pad the groups, as mxmoe.MoE does), "
-                f"got offs {offs.tolist()}")
-        _check_prequantized(x, x_mx, x_wgrad, recipe)
+        _check_args(x, w, offs, recipe, x_mx, x_wgrad)
         if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd
             return x.new_zeros(0, w.shape[1]) + (x.sum() + w.sum()).to(x.dtype) * 0
         end = int(offs[-1]) if offs.numel() else 0
@@ -281,8 +287,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
 
 class _ToBF16(torch.autograd.Function):
     """``w.to(torch.bfloat16)`` of an FP32 CUDA tensor whose backward casts the BF16 gradient to
-    FP32 with the layer's cast kernel, not torch's dtype-converting copy (that copy was 8-21% of the
-    bf16 layer's step on an H200, benchmarks/NOTES_moe_layer.md). Same values."""
+    FP32 with the layer's cast kernel, not torch's dtype-converting copy (about twice the kernel's time in
+    the bf16 layer's step: benchmarks/NOTES_moe_layer.md). Same values."""
 
     @staticmethod
     def forward(ctx, w, be: Backend):

@@ -40,8 +40,9 @@ def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=B
 
 
 def weight_block(recipe: Recipe) -> tuple[int, int]:
-    """The scale group of a recipe's expert weights: ``(1, 32)``, ``(32, 32)`` or ``(128, 128)``."""
-    return (recipe.weight_block, recipe.weight_block) if recipe.weight_block > 1 else (1, BLOCK)
+    """The scale group of a recipe's expert weights: ``(1, 32)``, ``(32, 32)`` or ``(128, 128)``
+    (:attr:`~mxmoe.recipes.Recipe.weight_group`)."""
+    return recipe.weight_group
 
 
 def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int, be: Backend | None = None) -> MXTensor:
