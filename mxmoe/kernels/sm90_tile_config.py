@@ -48,12 +48,9 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
 
     32x32 weights (M-grouped) with K a multiple of 256 take 256-deep stages, 2 of them, so the
     TMA-store epilogue's staging buffer fits beside the ring (3 would not): the wgmma pipeline drains
-    every 8 MX steps instead of 4. Measured on the H200, session 10
-    (``benchmarks/results/h200/grouped_gemm_epilogue_ab_s10.json``, one call, 8 balanced cases x
-    fprop/dgrad): against session 9's 256 x 3 with register stores, 256 x 2 with TMA stores gave
-    +7..+60% on 15 of 16 cases (qwen3 up fprop -5%), 128 x 4 with TMA stores -3..+38%. 1x32 lost
-    11-12% with 256-deep stages (session 9, ``grouped_gemm_bk256_ab_s9.json``; its promotion, not the
-    drains, is the bound) and again here (256 x 2: -15..-23% against 128 x 4), so it keeps 128 x 4.
+    every 8 MX steps instead of 4; on the H200 that beat 256 x 3 with register stores and 128 x 4 on
+    15 of 16 cases. 1x32 keeps 128 x 4: its promotion, not the drains, is its bound, and 256-deep
+    stages lost 11-23% (the A/B runs: ``benchmarks/NOTES_grouped_gemm.md``, sessions 9 and 10).
     """
     del m, n, num_groups
     if weight_block == 32 and not k_grouped and k % 256 == 0:
@@ -89,7 +86,7 @@ def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1, scale_group: i
         ValueError: ``block_k`` not a positive multiple of 32 (one MX step), or, with 32x32 weights,
             not a multiple of 128: the weight-scale box of one stage is ``block_k / 32`` rows of 8 FP32
             values (``block_k`` bytes) and each stage's box must start 128-byte aligned in shared
-            memory (``block_k`` 64 died with a misaligned-address fault on the H200, session 10).
+            memory (``block_k`` 64 dies with a misaligned-address fault).
             With ``scale_group=128`` (the mx128 mode): ``block_k`` other than 128, or ``block_n``
             other than 128 (a tile must lie in one 128x128 weight tile; the K loop promotes once per
             stage).
