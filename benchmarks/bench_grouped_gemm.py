@@ -244,39 +244,6 @@ def run_case(shape, proj, balance, quick, gen):
     return rows
 
 
-def run_ablation(quick: bool, ablations=(0, 1, 2)) -> list[dict]:
-    """Where the time goes: fprop (balanced) with the promotion removed stage by stage.
-
-    ablate 0 = the real kernel; 1 = one FFMA per element (the row scale only, what a 1-instruction
-    promotion would cost); 2 = no promotion (partials accumulate in the tensor core: the pipeline's
-    own ceiling); 3 = the bare MMA pipeline (one partial chained through the tile, a wait per stage);
-    4 = 3 without the epilogue store; 5 = 3 without the wgmmas (the TMA feed and barriers alone).
-    Results of 1-5 are numerically wrong by design; only their time matters."""
-    import mxmoe.kernels.sm90_mxfp8_grouped_gemm as kern
-    rows = []
-    gen = torch.Generator().manual_seed(1)
-    for shape, proj in (("mixtral-8x7b", "up"), ("dsv3-ep32", "down"), ("qwen3-30b-a3b", "up")):
-        E, M, hidden, ffn = SHAPES[shape]
-        N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
-        offs = torch.tensor(token_counts(M, E, "balanced", gen)).cumsum(0).to(torch.int32).cuda()
-        a, sa, b = rand_fp8(M, K), rand_scale(M, K // 32), rand_fp8(E, N, K)
-        for wb in (1, 32):
-            sb = rand_scale_32x32(E, N, K // 32) if wb == 32 else rand_scale(E, N, K // 32)
-            cfg = tile_for(M, N, K, E, weight_block=wb)
-            for ablate in ablations:
-                kern._ABLATE = ablate
-                ms = bench(lambda: sm90_mxfp8_m_grouped_gemm(a, sa, b, sb, offs, weight_block=wb, config=cfg),
-                           quick)
-                row = dict(shape=shape, proj=proj, weights="1x32" if wb == 1 else "32x32", ablate=ablate, ms=ms,
-                           tflops=2.0 * M * N * K / (ms * 1e-3) / 1e12, tile=tile_name(cfg))
-                print(f"ablation {shape:<14}{proj:<5}{row['weights']:<6} ablate={ablate} {row['tflops']:7.0f} TFLOP/s",
-                      flush=True)
-                rows.append(row)
-        kern._ABLATE = 0
-        del a, b, sa, sb
-    return rows
-
-
 HEADER = f"{'shape':<14}{'proj':<5}{'pass':<6}{'wts':<6}{'balance':<9}{'ours':>7}{'bf16':>7}{'fp8rw':>7}" \
          f"{'x bf16':>8}{'dense':>7}{'rel_err':>9}"
 
@@ -320,8 +287,6 @@ def main():
     ap.add_argument("--block-n", type=int, default=None, help="override of the tile's columns (wgmma n)")
     ap.add_argument("--tma-store", type=int, choices=(0, 1), default=None,
                     help="override: 1 = TMA-store epilogue where it fits, 0 = masked stores from registers")
-    ap.add_argument("--ablations", default="0,1,2", help="with --ablation: which variants (see run_ablation)")
-    ap.add_argument("--ablation", action="store_true", help="only the promotion ablation (see run_ablation)")
     args = ap.parse_args()
     global OVERRIDE
     OVERRIDE = {k: v for k, v in (("split_wg", None if args.split is None else bool(args.split)),
@@ -330,12 +295,6 @@ def main():
                                   ("tma_store", None if args.tma_store is None else bool(args.tma_store)))
                 if v is not None}
     import triton
-    if args.ablation:
-        rows = run_ablation(args.quick, tuple(int(x) for x in args.ablations.split(",")))
-        with open(args.out, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           config=f"sm90_tile_config, overrides {OVERRIDE}", ablation=rows), f, indent=1)
-        return
     gen = torch.Generator().manual_seed(0)
     print(HEADER, flush=True)
     rows = []

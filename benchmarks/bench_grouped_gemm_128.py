@@ -16,10 +16,10 @@ Timed (do_bench median; quantization excluded everywhere; ours includes its scal
 ``bf16_tflops`` ``torch._grouped_mm`` on BF16 copies; ``fp8_rowwise_tflops`` ``torch._scaled_grouped_mm``
 (rowwise scales); ``cublas_block_loop_tflops`` (fprop/dgrad) a per-expert loop of cuBLAS block-scaled
 ``torch._scaled_mm`` (1x128 x 128x128 FP32 scales, layouts of DESIGN §6, each expert's scales prepared
-contiguous beforehand), replayed as one CUDA graph so its launch overhead is not counted;
-``pipeline_tflops`` (fprop, balanced) the 1x32 kernel's bare-MMA ablation 3 (no promotion, wrong numbers
-by design): the pipeline's own ceiling with today's epilogue. ``rel_err``: ||ours - ref|| / ||ref|| with
-FP32 output on sampled rows, ref = FP64 product of the dequantized operands.
+contiguous beforehand), replayed as one CUDA graph so its launch overhead is not counted.
+``rel_err``: ||ours - ref|| / ||ref|| with FP32 output on sampled rows, ref = FP64 product of the
+dequantized operands. (Rows of results before the kernel's ablation modes were removed also carry
+``pipeline_tflops`` / ``pipeline_nostore_tflops``: the 1x32 kernel's bare-MMA ablations 3 and 4.)
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def cublas_block_loop(a, sa_bytes, b, tiles, counts):
         return run, f"eager ({type(exc).__name__})"
 
 
-def run_case(shape, proj, balance, quick, gen, pipeline: bool):
+def run_case(shape, proj, balance, quick, gen):
     E, M, hidden, ffn = SHAPES[shape]
     N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
     counts = token_counts(M, E, balance, gen)
@@ -134,18 +134,6 @@ def run_case(shape, proj, balance, quick, gen, pipeline: bool):
                        cublas_block_loop_tflops=tfl(ms_loop), cublas_block_loop_mode=how)
             row["vs_bf16"] = row["tflops"] / row["bf16_tflops"]
             row["vs_cublas_block_loop"] = row["tflops"] / row["cublas_block_loop_tflops"]
-            if pipeline and pas == "fprop" and balance == "balanced":
-                import mxmoe.kernels.sm90_mxfp8_grouped_gemm as kern
-                from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
-                sa32 = B.rand_scale(M, k_red // 32)
-                sb32 = B.rand_scale(E, n_out, k_red // 32)
-                for abl, key in ((3, "pipeline_tflops"), (4, "pipeline_nostore_tflops")):
-                    kern._ABLATE = abl
-                    try:
-                        row[key] = tfl(bench(lambda: kern.sm90_mxfp8_m_grouped_gemm(
-                            a, sa32, b, sb32, offs, weight_block=1, config=Sm90TileConfig())))
-                    finally:
-                        kern._ABLATE = 0
             row["pass_ok"] = bool(row["rel_err"] <= 5e-4 and row["bitwise_rerun"])
             del a, b, sa, sb
         except Exception as exc:  # one failing case must not hide the others
@@ -247,8 +235,6 @@ def print_row(r):
         return
     extra = (f" cublas-loop {r['cublas_block_loop_tflops']:6.0f} ({r['vs_cublas_block_loop']:.2f}x)"
              if "cublas_block_loop_tflops" in r else f" (bf16 out {r['tflops_bf16_out']:6.0f})")
-    if "pipeline_tflops" in r:
-        extra += f" pipeline {r['pipeline_tflops']:.0f} / no store {r['pipeline_nostore_tflops']:.0f}"
     print(head + f"{r['tflops']:7.0f} bf16 {r['bf16_tflops']:6.0f} ({r['vs_bf16']:.2f}x) fp8rw "
           f"{r['fp8_rowwise_tflops']:6.0f}{extra} err {r['rel_err']:.1e} ok {r['pass_ok']}", flush=True)
 
@@ -260,7 +246,6 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of shapes")
     ap.add_argument("--projs", default="up,down")
     ap.add_argument("--balances", default="balanced,skewed")
-    ap.add_argument("--no-pipeline", action="store_true", help="skip the bare-pipeline ablation rows")
     ap.add_argument("--sweep", default=None, help="A/B of tile fields instead of the table: ';'-separated "
                     "configurations, each ','-separated field=value on sm90_mx128_tile_config, e.g. "
                     "'chain=2;chain=4;chain=4,stages=5' (cases: --shapes x --projs, balanced)")
@@ -291,7 +276,7 @@ def main():
                   rows=rows)
     cases = [(s, p, b) for s in args.shapes.split(",") for p in args.projs.split(",") for b in args.balances.split(",")]
     B.run_cases(args.out, result, cases,
-                lambda shape, proj, balance: run_case(shape, proj, balance, args.quick, gen, not args.no_pipeline))
+                lambda shape, proj, balance: run_case(shape, proj, balance, args.quick, gen))
 
 
 if __name__ == "__main__":

@@ -247,21 +247,9 @@ if HAS_GLUON:
         return sa, sb
 
     @gluon.jit
-    def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr, ABLATE: gl.constexpr):
-        """acc += p * 2^(ea) * 2^(eb) for one MX step (sa: per row, sb: per column or per 32 columns).
-
-        ABLATE (timing experiments only, wrong results): 1 = one FFMA per element with the row scale
-        only; 2 = no promotion at all (the partials accumulate in the tensor core); 3 = the bare MMA
-        pipeline (one partial chained through the tile, no per-step wait; the consumer loop skips this);
-        4 = 3 without the epilogue's store; 5 = 3 without the wgmmas (the data feed alone)."""
-        if ABLATE == 2:
-            pass
-        elif ABLATE == 1:
-            if WB32:
-                acc = gl.fma(gl.reshape(p, [BMW, BN // 32, 32]), gl.expand_dims(gl.expand_dims(sa, 1), 2), acc)
-            else:
-                acc = gl.fma(p, gl.expand_dims(sa, 1), acc)
-        elif WB32:
+    def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr):
+        """acc += p * 2^(ea) * 2^(eb) for one MX step (sa: per row, sb: per column or per 32 columns)."""
+        if WB32:
             # One weight scale per 32 output columns: view the tile as [BMW, BN/32, 32] so the scale
             # product is formed once per (row, 32-column group) and broadcast (1 FFMA per element).
             p3 = gl.reshape(p, [BMW, BN // 32, 32])
@@ -304,7 +292,7 @@ if HAS_GLUON:
         if not EARLY:
             sa, sb = _load_scales(sa_rows, sb_rows, idx, ROW0, BMW, BN, WB32, mma_layout, l3)
         _release(empty, idx)
-        acc = _promote(acc, p, sa, sb, BMW, BN, WB32, 0)
+        acc = _promote(acc, p, sa, sb, BMW, BN, WB32)
         return p, acc
 
     @gluon.jit
@@ -384,7 +372,7 @@ if HAS_GLUON:
                   offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                  ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr,
+                  ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr,
                   TMA_STORE: gl.constexpr, SG: gl.constexpr, CHAIN: gl.constexpr):
         """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
         MX step, promotion of the previous step while the next one runs, then the tile's store."""
@@ -421,46 +409,38 @@ if HAS_GLUON:
                     a_buf = a_bufs.index(idx)
                     b_buf = b_bufs.index(idx)
                     r0 = idx * KB
-                    if (ABLATE >= 3) & (nsteps - s * KB >= KB):
-                        # Ablations 3-5: the bare MMA pipeline (one partial chained through the whole
-                        # tile, a wait per stage only); 5 leaves out the wgmmas.
-                        if ABLATE != 5:
-                            for j in gl.static_range(KB):
-                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, (s > 0) | (j > 0))
-                            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-                    elif nsteps - s * KB >= KB:
+                    if nsteps - s * KB >= KB:
                         # Full stage. Step j's wgmma runs while step j-1 is promoted. With 32x32 weights the
                         # few scales of step j-1 are read before the wait (latency hidden behind the tensor
                         # core); with 1x32 the 32 column scales per thread would not fit in registers.
-                        chain = (ABLATE == 2) & (s > 0)  # ablation 2: partials accumulate in the tensor core
-                        p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a, chain)
+                        p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a)
                         for j in gl.static_range(1, KB):
                             if EARLY_SCALES:
                                 sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
                             if j % 2 == 1:
-                                p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b, chain | ((ABLATE == 2) & (j > 1)))
+                                p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b)
                                 p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
                                 if not EARLY_SCALES:
                                     sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
                                                           l3)
-                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
                             else:
-                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a, ABLATE == 2)
+                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
                                 p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
                                 if not EARLY_SCALES:
                                     sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
                                                           l3)
-                                acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
+                                acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
                         # The last step retires with wait(0): no wgmma stays in flight across the loop
                         # back-edge (that makes ptxas serialize every wgmma, warning C7514).
                         if KB % 2 == 0:
                             p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
                             sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32, ABLATE)
+                            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
                         else:
                             p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
                             sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
                     else:
                         # Tail stage of a contraction range that is not a multiple of BK: synchronous steps.
                         for j in gl.static_range(KB):
@@ -468,37 +448,26 @@ if HAS_GLUON:
                                 sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3)
                                 p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
                                 p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32, ABLATE)
+                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
                     # Generic-proxy reads of this stage (scales) must be ordered before the next TMA write.
                     fence_async_shared()
                     mbarrier.arrive(empty.index(idx), count=1)
                     it += 1
             # Epilogue: the rows that belong to this tile's group (TMA store or masked stores).
-            if ABLATE >= 3:
-                if WB32:
-                    acc = gl.reshape(p_a, [BMW, BN // 32, 32])
-                else:
-                    acc = p_a
-            elif ABLATE == 2:
-                if WB32:
-                    acc = gl.reshape(p_a + p_b, [BMW, BN // 32, 32])
-                else:
-                    acc = p_a + p_b
-            if (ABLATE != 4) | (row_hi < 0):  # ablation 4: ablation 3 without the store
-                if TMA_STORE:
-                    if a_row + ROW0 + BMW <= row_hi:
-                        # All BMW rows inside the group: through shared memory and one TMA store, which
-                        # drains while the next tile's main loop runs (columns clipped at the tensor's edge).
-                        c_buf = c_bufs.index(ROW0 // BMW)
-                        tma.store_wait(0)  # the previous tile's store has finished reading c_buf
-                        c_buf.store(gl.reshape(acc, [BMW, BN]).to(c_buf.dtype))
-                        fence_async_shared()
-                        c_row = (out_base // OUT_COLS).to(gl.int32) + a_row + ROW0
-                        tma.async_copy_shared_to_global(c_desc, [c_row, col0], c_buf)
-                    else:
-                        _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
+            if TMA_STORE:
+                if a_row + ROW0 + BMW <= row_hi:
+                    # All BMW rows inside the group: through shared memory and one TMA store, which
+                    # drains while the next tile's main loop runs (columns clipped at the tensor's edge).
+                    c_buf = c_bufs.index(ROW0 // BMW)
+                    tma.store_wait(0)  # the previous tile's store has finished reading c_buf
+                    c_buf.store(gl.reshape(acc, [BMW, BN]).to(c_buf.dtype))
+                    fence_async_shared()
+                    c_row = (out_base // OUT_COLS).to(gl.int32) + a_row + ROW0
+                    tma.async_copy_shared_to_global(c_desc, [c_row, col0], c_buf)
                 else:
                     _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
+            else:
+                _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
         if TMA_STORE:
             tma.store_wait(0)
 
@@ -509,7 +478,7 @@ if HAS_GLUON:
             c_ptr, offs_ptr, tile_end_ptr,  # output, group ends [E], [2, E] cumul. tile counts + A-scale starts
             E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
             K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-            SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, ABLATE: gl.constexpr, TMA_STORE: gl.constexpr,
+            SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, TMA_STORE: gl.constexpr,
             num_warps: gl.constexpr, SG: gl.constexpr = 1, CHAIN: gl.constexpr = 2):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -542,10 +511,10 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG, CHAIN)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN)),
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), ABLATE, TMA_STORE, SG, CHAIN)),
+                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
@@ -554,7 +523,7 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, ABLATE, TMA_STORE, SG, CHAIN)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, TMA_STORE, SG, CHAIN)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
@@ -665,7 +634,6 @@ def _search_steps(num_groups: int) -> int:
 
 
 _SM_COUNT: dict[int, int] = {}
-_ABLATE = 0  # timing experiments only (see _promote); results are wrong unless 0
 
 
 def _num_sms(device: torch.device) -> int:
@@ -752,7 +720,7 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         _desc(a, [BM, BK]), _desc(b.view(E * N, K), [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, sb_block), c_desc,
         out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
         K_GROUPED=False, WB32=weight_block == 32, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        SEARCH_STEPS=_search_steps(E), SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, TMA_STORE=c_desc is not None,
+        SEARCH_STEPS=_search_steps(E), SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None,
         num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg)
     return out
@@ -824,7 +792,7 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         _desc(a, [BM, BK]), _desc(b, [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, [KB, BN]), c_desc,
         out, offs, offs, E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        SEARCH_STEPS=0, SPLIT_WG=cfg.split_wg, ABLATE=_ABLATE, TMA_STORE=c_desc is not None,
+        SEARCH_STEPS=0, SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None,
         num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg)
     return out
@@ -942,7 +910,7 @@ def sm90_mx128_m_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
         _desc(a_data, [BM, BK]), _desc(b_data.view(E * N, K), [BN, BK]), _desc(sa, [BK // GROUP, BM]),
         _desc(sb, sb_block), c_desc, out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
         K_GROUPED=False, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=_search_steps(E),
-        SPLIT_WG=cfg.split_wg, ABLATE=0, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
+        SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
     return out
 
@@ -1008,6 +976,6 @@ def sm90_mx128_k_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
         _desc(a_data, [BM, BK]), _desc(b_data, [BN, BK]), _desc(sa, [BK // GROUP, BM]), _desc(sb, [BK // GROUP, BN]),
         c_desc, out, offs, offs, E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=0,
-        SPLIT_WG=cfg.split_wg, ABLATE=0, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
+        SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
     return out
