@@ -61,9 +61,8 @@ Scale layouts the kernels read (made from the E8M0 scales in the wrapper, one la
 (NaN for 0xFF), transposed so that one K step's scales for a tile's rows are contiguous:
 
 * activations (A, M-grouped):   ``[K/32, W]``, each expert group starting at a multiple of 4 columns
-  (the address a TMA load starts at must be 16-byte aligned, cf. triton-lang/triton#7385: groups
-  starting at a row that is not a multiple of 4 made the previous layout die with "illegal
-  instruction"; this layout is the fix, not yet run on a GPU)
+  (the address a TMA load starts at must be 16-byte aligned, cf. triton-lang/triton#7385: a group
+  starting at a row that is not a multiple of 4 would otherwise fault with "illegal instruction")
 * weights 1x32 (B, M-grouped):  ``[E * K/32, N_pad]``
 * weights 32x32 (B, M-grouped): ``[E * K/32, N/32 padded to 4]`` (one value per 32x32 tile)
 * wgrad operands (K-grouped):   ``[T/32, N_pad]`` and ``[T/32, K_pad]``
