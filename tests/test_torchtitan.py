@@ -250,3 +250,22 @@ def test_debug_model_forward_backward_with_converter(recipe):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     for e in experts:
         assert all(float(p.grad.norm()) > 0 for p in e.parameters())
+
+
+@needs_torchtitan
+def test_padding_dispatcher_with_torchtitans_experts_eager_and_compiled(monkeypatch):
+    """The padded groups change nothing for torchtitan's own BF16 experts (zero rows), bit for bit, and the
+    dispatcher traces as one graph (torchtitan compiles each block with fullgraph=True). On the CPU the
+    mxmoe products themselves do not compile (their reference loops branch on group sizes); on CUDA they
+    are custom ops."""
+    from mxmoe.integrations.torchtitan import MXMoETokenDispatcher
+
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)  # as torchtitan's apply_compile sets
+    cfg, m = routed_experts(64, 128, 8, 2)
+    x, s, ids, counts = routing(96, 8, 2, 64)
+    padded = replace(cfg, token_dispatcher=MXMoETokenDispatcher.Config(num_experts=8, top_k=2, align=32)).build()
+    padded.load_state_dict(m.state_dict())
+    ref = run(m, x, s, ids, counts)
+    for mod in (padded, torch.compile(padded, fullgraph=True, backend="aot_eager")):
+        for a, b in zip(run(mod, x, s, ids, counts), ref):
+            assert torch.equal(a, b)
