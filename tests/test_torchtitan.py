@@ -211,6 +211,33 @@ def test_bad_inputs_raise_clear_errors():
         MXMoEConverter.Config(recipe="mxfp8").build().convert(cfg.inner_experts)
 
 
+@needs_torchtitan
+def test_experts_with_their_own_forward_get_mx_products_through_the_seam():
+    """gpt-oss's experts (biases, clamped SwiGLU: their own forward) keep it; their _grouped_mm seam runs
+    mxmoe's products: the exact fp32 recipe vs mxfp8 within MX tolerance."""
+    from torchtitan.models.common.moe import RoutedExperts
+    from torchtitan.models.gpt_oss import model_registry
+
+    from mxmoe.integrations.torchtitan import convert_routed_experts
+
+    _, cfg, _, _ = next(iter(model_registry("debugmodel").model.traverse(RoutedExperts.Config)))
+    cfg = replace(cfg, inner_experts=replace(cfg.inner_experts, hidden_dim=128))
+    x, s, ids, counts = routing(64, 8, cfg.token_dispatcher.top_k, cfg.inner_experts.dim)
+    outs = []
+    for recipe in ("fp32", "mxfp8"):
+        m = convert_routed_experts(cfg, recipe).build()
+        assert type(m.inner_experts).__name__ == "MXMoEGptOssGroupedExperts"
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * p.shape[-1] ** -0.5)
+        x2, s2 = x.clone().requires_grad_(), s.clone().requires_grad_()
+        out = m(x2, s2, ids, counts)
+        out.double().square().sum().backward()
+        outs.append([out.detach(), x2.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*outs):
+        assert rel(a, b) < 0.12
+
+
 def debug_model(converters=None, layers=2):
     """torchtitan's DeepSeek-V3 debug model (dim 256, 8 experts of 256, top 3), first `layers` layers,
     attention through SDPA (FlexAttention has no CPU backward)."""
@@ -253,19 +280,19 @@ def test_debug_model_forward_backward_with_converter(recipe):
 
 
 @needs_torchtitan
-def test_padding_dispatcher_with_torchtitans_experts_eager_and_compiled(monkeypatch):
+def test_padding_dispatcher_with_torchtitans_experts_eager_and_compiled():
     """The padded groups change nothing for torchtitan's own BF16 experts (zero rows), bit for bit, and the
     dispatcher traces as one graph (torchtitan compiles each block with fullgraph=True). On the CPU the
     mxmoe products themselves do not compile (their reference loops branch on group sizes); on CUDA they
     are custom ops."""
     from mxmoe.integrations.torchtitan import MXMoETokenDispatcher
 
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)  # as torchtitan's apply_compile sets
     cfg, m = routed_experts(64, 128, 8, 2)
     x, s, ids, counts = routing(96, 8, 2, 64)
     padded = replace(cfg, token_dispatcher=MXMoETokenDispatcher.Config(num_experts=8, top_k=2, align=32)).build()
     padded.load_state_dict(m.state_dict())
     ref = run(m, x, s, ids, counts)
-    for mod in (padded, torch.compile(padded, fullgraph=True, backend="aot_eager")):
-        for a, b in zip(run(mod, x, s, ids, counts), ref):
-            assert torch.equal(a, b)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as torchtitan's apply_compile sets
+        for mod in (padded, torch.compile(padded, fullgraph=True, backend="aot_eager")):
+            for a, b in zip(run(mod, x, s, ids, counts), ref):
+                assert torch.equal(a, b)
