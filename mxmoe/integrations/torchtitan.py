@@ -16,6 +16,11 @@ parallelism). This module rewrites that subtree before the model is built:
   after it. (torchtitan's padding dispatchers, ``TorchAOTokenDispatcher`` and HybridEP, keep their
   own and get ``pad_multiple`` set to the recipe's alignment.)
 
+Experts modules that subclass ``GroupedExperts`` with a forward of their own (gpt-oss's, with biases and
+a clamped SwiGLU) keep it: only their ``_grouped_mm`` seam runs mxmoe's products (no fused SwiGLU there).
+Expert parallelism is torchtitan's all-to-all; its padding step (:meth:`MXMoETokenDispatcher._permute`) is
+tested on the CPU against torchtitan's own permutation, not yet in a multi-GPU run.
+
 Fused and unfused. With ``fused_swiglu`` (the default) the gate and up weights are concatenated per
 forward into ``w13 = cat(w1, w3) [E, 2F, D]`` (a copy of both weights each step and its gradient split
 in backward), so x is quantized once for one product ``x w13^T -> h [M, 2F]``, and mxmoe's SwiGLU
