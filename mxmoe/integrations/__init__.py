@@ -1,0 +1,7 @@
+"""Bridges from other trainers to mxmoe's expert products. Each module here imports its trainer;
+``import mxmoe`` imports none of them (they are optional dependencies: ``pip install 'mxmoe[torchtitan]'``).
+
+==============  =====================================================================================
+``torchtitan``  a torchtitan (0.3.0) model converter and override: its MoE experts on mxmoe's recipes
+==============  =====================================================================================
+"""
