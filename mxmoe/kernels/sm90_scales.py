@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.backend import interpreting
+from mxmoe.layouts import padded_groups, padded_rows
 
 try:  # Triton is optional: `import mxmoe` must work without it.
     import triton
@@ -75,12 +76,11 @@ def sm90_grouped_scale_layout(scale: torch.Tensor, offs: torch.Tensor, align: in
     E = offs.shape[0]
     offs64 = offs.to(torch.int64)
     counts = torch.diff(offs64, prepend=offs64.new_zeros(1))
-    padded = (counts + align - 1) // align * align
-    starts = torch.cumsum(padded, 0) - padded
-    width = (M + (align - 1) * E + align - 1) // align * align  # >= sum(padded)
-    # Gather (deterministic): column c belongs to group g with starts[g] <= c < starts[g] + padded[g].
+    starts, ends = padded_groups(counts, align)
+    width = padded_rows(M, E, align)  # >= ends[-1], known without a sync
+    # Gather (deterministic): column c belongs to group g with starts[g] <= c < ends[g].
     cols = torch.arange(width, device=scale.device)
-    g = torch.searchsorted(starts + padded, cols, right=True)
+    g = torch.searchsorted(ends, cols, right=True)
     gc = g.clamp(max=E - 1)
     i = cols - starts[gc]
     valid = (g < E) & (i < counts[gc])
@@ -216,7 +216,7 @@ def sm90_m_grouped_scales(scale: torch.Tensor, offs: torch.Tensor, block_m: int,
     if not _fast(scale) or E > MAX_GROUPS_ONE_BLOCK or M == 0 or E == 0:
         values, starts = sm90_grouped_scale_layout(scale, offs)
         return values, _schedule_reference(offs, starts, block_m, n_tiles)
-    W = (M + (ALIGN - 1) * E + ALIGN - 1) // ALIGN * ALIGN
+    W = padded_rows(M, E, ALIGN)
     values = torch.empty(C, W, dtype=torch.float32, device=scale.device)
     sched = torch.empty(2, E, dtype=torch.int32, device=scale.device)
     u8 = scale.view(torch.uint8)
