@@ -812,7 +812,8 @@ def plot_losses(metrics: dict, path: Path) -> None:
                      label=f"{recipe} − bf16")
         dax.axhline(0, color="k", lw=0.8)
         dax.set_ylabel("val loss − bf16's (nats)")
-        dax.legend(fontsize=8)
+        if dax.get_legend_handles_labels()[0]:  # a bf16-only run without a stored spread has none
+            dax.legend(fontsize=8)
     else:
         dax.text(0.5, 0.5, "no bf16 run: no difference to show", ha="center", va="center", transform=dax.transAxes)
     dax.set_xlabel("step")
@@ -1034,7 +1035,7 @@ def run(cfg: TrainConfig) -> dict:
         dups = f", {corpus.duplicates:,} duplicate files skipped" if corpus.duplicates else ""
         print(f"data: {corpus.source}: {corpus.files['train']:,} train / {corpus.files['val']:,} val files, "
               f"{len(train_data) / 1e6:.1f}M / {len(val_data) / 1e6:.1f}M bytes{dups}{cached}; "
-              f"a recipe's run reads {tokens / 1e6:.1f}M tokens = {data['epochs_per_recipe']:.2f} epochs of the "
+              f"a recipe's run reads {tokens / 1e6:.1f}M tokens = {data['epochs_per_recipe']:.3g} epochs of the "
               f"train split" + (" (more than one pass: the model can memorize it)" if data["epochs_per_recipe"] >= 1
                                 else ""))
         print(f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "
