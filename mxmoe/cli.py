@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         given = {k: v for k, v in args.items() if v is not None}
         try:
             if given.get("resume"):
-                others = ["--preset"] * (preset is not None) + ["--" + k.replace("_", "-") for k in given if k != "resume"]
+                others = ["--preset"] * (preset is not None)
+                others += ["--" + k.replace("_", "-") for k in given if k != "resume"]
                 if others:
                     raise ValueError(f"--resume DIR continues the run with its own settings (DIR/run_config.json): "
                                      f"give no other flags (got {' '.join(others)})")

@@ -89,15 +89,14 @@ class TrainConfig:
     device: str = ""  # "cuda" or "cpu"; empty = cuda if available, else cpu
     recipes: str = "bf16,mxfp8"  # comma-separated MoE recipes, trained one after the other
     seed: int = 0  # one seed -> one init and one batch order, shared by every recipe
-    # torch.compile backend: "auto" = "cudagraphs" on CUDA in one process (~3x steps/s), eager elsewhere;
-    # "" or "none": eager; "cudagraphs", "inductor", "aot_eager", "eager"; not under torchrun
-    compile: str = "auto"
+    # torch.compile backend; not under torchrun (expert parallelism)
+    compile: str = "auto"  # auto: cudagraphs on CUDA in one process (~3x steps/s), else eager; ""/none: eager; or inductor, aot_eager, eager
     checkpoint_every: int = 0  # steps between checkpoints (<out>/checkpoint_<recipe>.pt); 0: none (one process only)
     resume: str = ""  # continue the killed run in this folder, with its own settings (give no other flags)
-    # data
-    data: str = ""  # "stdlib", "python-all" (stdlib + site-packages) or a folder of .py files; empty: python-all on CUDA, stdlib elsewhere
+    # data (mxmoe.corpus)
+    data: str = ""  # "stdlib", "python-all" (stdlib + site-packages) or a .py folder; empty: python-all on CUDA, else stdlib
     data_cache: str = "~/.cache/mxmoe"  # folder caching the python-all corpus (keyed by its file list); empty: none
-    val_every_file: int = 20  # about every N-th file goes to the validation split (stdlib/folder: N-th sorted; python-all: by content hash)
+    val_every_file: int = 20  # ~every N-th file is validation (stdlib/folder: N-th sorted; python-all: by content hash)
     seq_len: int = 128  # tokens (bytes) per training window = context length
     batch_size: int = 16  # windows per optimizer step (per rank under torchrun)
     # model
@@ -993,8 +992,9 @@ def run(cfg: TrainConfig) -> dict:
 
     Under torchrun with more than one process: joins the process group, trains expert-parallel,
     has rank 0 print and write, and destroys the group at the end.
-    With ``cfg.checkpoint_every``: writes ``run_config.json`` first, then training states
-    (:func:`train_recipe`); a finished recipe's state keeps only its metrics. With ``cfg.resume``:
+    With ``cfg.checkpoint_every``: writes ``run_config.json`` first (and removes the recipes' states
+    of an earlier run in ``cfg.out``), then training states (:func:`train_recipe`); a finished recipe's
+    state keeps only its metrics. With ``cfg.resume``:
     finished recipes are taken from their states, an unfinished one continues from its state.
     Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
 
@@ -1018,6 +1018,8 @@ def run(cfg: TrainConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         if cfg.checkpoint_every and not cfg.resume:
             _write_json_atomic(out / "run_config.json", config)
+            for recipe in recipes:  # a fresh run: an earlier run's states in this folder are not this run's
+                (out / f"checkpoint_{recipe}.pt").unlink(missing_ok=True)
     corpus = load_corpus(cfg.data, device.type, cfg.val_every_file, cfg.data_cache)
     train_data, val_data = corpus.train, corpus.val
     torch.manual_seed(cfg.seed)

@@ -436,3 +436,31 @@ def test_compare_runs_and_throughput_rows(run_dir, tmp_path):
     doc = write_throughput(run_dir / "metrics.json", tmp_path / "tp.json")
     assert json.loads((tmp_path / "tp.json").read_text())["rows"] == doc["rows"] == rows
     assert metrics["data"]["source"] == "stdlib" and 0 < metrics["data"]["epochs_per_recipe"] < 1
+
+
+def test_python_all_corpus_in_a_run(tmp_path, monkeypatch, capsys):
+    """--data python-all through a run (roots: a temp tree of fake sources): the log names the files,
+    bytes and epochs; metrics.json records them; the second run reads the cache."""
+    from mxmoe import corpus
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"m{i}.py").write_text(f"def function_{i}(x):\n    return x * {i} + {i * i}  # {'#' * i}\n")
+    (src / "dup.py").write_text((src / "m3.py").read_text())
+    monkeypatch.setattr(corpus, "python_roots", lambda: [str(src)])
+    flags = ["train", "--preset", "tiny", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
+             "--seq-len", "32", "--recipes", "bf16", "--device", "cpu", "--data", "python-all", "--val-every-file", "4",
+             "--data-cache", str(tmp_path / "cache")]
+    assert main([*flags, "--out", str(tmp_path / "a")]) == 0
+    log = capsys.readouterr().out
+    data = json.loads((tmp_path / "a" / "metrics.json").read_text())["data"]
+    assert data["source"] == "python-all" and data["files"]["train"] + data["files"]["val"] == 40
+    assert data["duplicates"] == 1 and not data["from_cache"]
+    assert data["epochs_per_recipe"] == pytest.approx(2 * 8 * 32 / data["bytes"]["train"])
+    assert (f"data: python-all: {data['files']['train']} train / {data['files']['val']} val files" in log
+            and "1 duplicate files skipped" in log and "epochs of the train split" in log and "steps: eager" in log)
+    assert main([*flags, "--out", str(tmp_path / "b")]) == 0
+    assert "from the cache" in capsys.readouterr().out
+    again = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert again["data"]["from_cache"] and again["data"]["bytes"] == data["bytes"]
