@@ -787,7 +787,8 @@ def plot_losses(metrics: dict, path: Path) -> None:
                     va="top", fontsize=8)
     cfg = metrics["config"]
     ax.set(ylabel="cross-entropy (nats / byte)",
-           title=f"MoE LM on stdlib bytes: {cfg['layers']}L d{cfg['dim']} {cfg['experts']}E top-{cfg['top_k']}, "
+           title=f"MoE LM on {metrics.get('data', {}).get('source', 'stdlib')} bytes: {cfg['layers']}L d{cfg['dim']} "
+                 f"{cfg['experts']}E top-{cfg['top_k']}, "
                  f"seed {cfg['seed']}, {metrics['env']['device']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
