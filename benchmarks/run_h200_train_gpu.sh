@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Superseded by run_h200_train.sh (issue 23): the gpu preset is now 171M parameters x 2000 steps, one
+# recipe and seed per call; kept for the issue-7 results' provenance (it ran the old 110M preset).
 # One device call: the main job at the GPU preset (issue 7), both recipes, two seeds, one H200.
 # Usage: OUT=/some/dir bash benchmarks/run_h200_train_gpu.sh -> train_gpu_seed{0,1}.json/.png, log.
 # SEEDS="0" picks seeds; FLAGS="--compile inductor --steps 300" adds flags; TAG names the outputs

@@ -1,6 +1,7 @@
 """The ``mxmoe`` command line.
 
-    mxmoe train [--preset tiny|default|gpu] [--steps N] [--out DIR] ...   # see mxmoe.train
+    mxmoe train [--preset tiny|default|gpu|gpu-throughput] [--steps N] [--out DIR] ...   # see mxmoe.train
+    mxmoe train --resume DIR   # continue a killed run that had --checkpoint-every N
     mxmoe sample --ckpt out/model_mxfp8.safetensors --prompt "def " --tokens 200   # mxmoe.train.sample
     mxmoe info [--device cuda:0]   # which kernels serve each recipe on this machine (mxmoe.backend)
     python -m mxmoe train --help
@@ -27,7 +28,7 @@ def _add_train_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train bf16 and mxfp8 MoE LMs on stdlib bytes, compare losses",
                        description=train.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="default", choices=sorted(train.PRESETS),
+    p.add_argument("--preset", default=None, choices=sorted(train.PRESETS),
                    help="starting values for every setting below (default: default)")
     comments = _field_comments(train.TrainConfig)
     for f in dataclasses.fields(train.TrainConfig):
@@ -70,11 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
     if command == "train":
-        from mxmoe.train import make_config, run
+        from mxmoe.train import load_run_config, make_config, run
 
         preset = args.pop("preset")
+        given = {k: v for k, v in args.items() if v is not None}
         try:
-            cfg = make_config(preset, **{k: v for k, v in args.items() if v is not None})
+            if given.get("resume"):
+                others = ["--preset"] * (preset is not None)
+                others += ["--" + k.replace("_", "-") for k in given if k != "resume"]
+                if others:
+                    raise ValueError(f"--resume DIR continues the run with its own settings (DIR/run_config.json): "
+                                     f"give no other flags (got {' '.join(others)})")
+                cfg = load_run_config(given["resume"])
+            else:
+                cfg = make_config(preset or "default", **given)
             if cfg.device:
                 import torch
 

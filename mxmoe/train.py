@@ -1,39 +1,61 @@
-"""Train a small byte-level MoE language model on the Python standard library: bf16 vs mxfp8.
+"""Train a small byte-level MoE language model on Python source code: bf16 vs mxfp8.
 
 Every recipe starts from the same initial weights and sees the same batches in the same order,
 so the difference between their loss curves is the cost of the MXFP8 expert matrix products.
-The data is this machine's own standard library (``sysconfig.get_paths()["stdlib"]``, all
-``.py`` files, site-packages excluded); every 20th file, in sorted order, is held out for
-validation. Nothing is downloaded. Launch:
+The data is this machine's own Python sources (:mod:`mxmoe.corpus`; nothing is downloaded): on the
+CPU by default the standard library (``sysconfig.get_paths()["stdlib"]``, all ``.py`` files,
+site-packages excluded, every 20th file in sorted order held out for validation); on CUDA by default
+every ``.py`` file of the interpreter's stdlib and site-packages, deduplicated, a file held out when a
+hash of its content says so (``--data python-all``; hundreds of MB, cached under ``--data-cache``).
+The log says how many files and bytes the run uses and how many epochs of the train split it consumes.
+Launch:
 
     mxmoe train                                    # default preset: 2-3 minutes on 2 CPU cores
     mxmoe train --preset tiny --out /tmp/tiny      # seconds; what the tests run
-    mxmoe train --preset gpu --device cuda         # ~110M parameters, bf16 autocast
-    mxmoe train --preset gpu --device cuda --compile cudagraphs   # the same, 2.8-3.8x the tokens/s (H200)
+    mxmoe train --preset gpu --device cuda --recipes bf16 --seed 0     # convergence: 171M parameters, 2000 steps
+    mxmoe train --preset gpu-throughput --device cuda --recipes bf16,mxfp8,mxfp8_128   # tokens/s and MFU
     python -m mxmoe train --steps 500 --lr 2e-3 --recipes bf16,mxfp8
+
+On CUDA the steps run as CUDA graphs by default (``--compile auto``: torch.compile's ``cudagraphs``
+backend, 2.8-3.8x the eager tokens/s of the old 110M preset on an H200; ``--compile ""`` for eager);
+the log says which.
+
+MFU (the ``mfu`` of each recipe's metrics, CUDA only) is model FLOPs per second over a stated peak:
+model FLOPs per token = 6 x the matrix-multiply parameters a token uses (attention projections, router,
+its top_k experts, LM head; embedding lookups excluded) + 12 x layers x seq_len x dim (attention scores
+and values, forward and backward, counted without the causal mask's half, as PaLM's MFU does), times
+tokens/s, divided by :data:`PEAK_FLOPS`, the H200's dense BF16 peak of 989.4 TFLOP/s, for every recipe
+(the MXFP8 recipes too: the same yardstick, so MFU ratios are tokens/s ratios).
+
+Runs survive interruption: with ``--checkpoint-every N`` (the GPU presets: on) every N steps the
+recipe's model, optimizer, step, data-order and RNG states and metrics so far go to
+``<out>/checkpoint_<recipe>.pt``, written atomically; ``mxmoe train --resume DIR`` continues a killed
+run from them with its own settings (``DIR/run_config.json``) and ends with the numbers of an
+uninterrupted run (bit for bit on the CPU).
 
 Expert parallelism: launched by ``torchrun`` with more than one process, every rank holds
 ``experts / world`` experts of each MoE layer (``mxmoe.parallel``: gloo on CPUs, NCCL and one GPU
 per rank on CUDA) and trains on its own batches; the rest of the model is replicated and its
 gradients are averaged. ``--batch-size`` and ``--eval-batches`` count per rank; ``--experts`` must
-be divisible by the number of processes. Rank 0 prints and writes the outputs; checkpoints hold
-the full (single-process) state dict.
+be divisible by the number of processes. Rank 0 prints and writes the outputs; the saved models hold
+the full (single-process) state dict. Training states (``--checkpoint-every``, ``--resume``) are
+single-process only.
 
     torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset tiny --out /tmp/tiny_ep2
-    torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset gpu --device cuda   # 8 experts per GPU
+    torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset gpu --device cuda --checkpoint-every 0
 
-Writes into ``--out``: ``metrics.json`` (config, environment, per-recipe losses and speed),
+Writes into ``--out``: ``metrics.json`` (config, environment, data, per-recipe losses and speed),
 ``loss.png`` (train and val curves, and each recipe's val loss minus bf16's against the stored
-seed-to-seed spread) and ``model_<recipe>.safetensors``. On the CPU every recipe runs the pure-torch
-reference (the speed column reads ``ref tok/s``), whose BF16 grouped products are FP32 products of the
-BF16 values (:func:`mxmoe.ops.grouped.reference_grouped_mm`; :class:`CPUBF16GroupedMMAsFP32` does the same
-for a direct ``torch._grouped_mm`` call, ``--cpu-bf16-gemm``). A checkpoint is
+seed-to-seed spread) and ``model_<recipe>.safetensors``. Runs of one recipe and seed each (the ``gpu``
+preset) are compared by :func:`compare_runs` / :func:`plot_compare` (``benchmarks/compare_train_runs.py``);
+:func:`throughput_rows` gives the ``train_gpu_throughput.json`` rows. On the CPU every recipe runs the
+pure-torch reference (the speed column reads ``ref tok/s``), whose BF16 grouped products are FP32
+products of the BF16 values (:func:`mxmoe.ops.grouped.reference_grouped_mm`). A model is
 loaded by :func:`load_checkpoint` and sampled by :func:`sample` / ``mxmoe sample``:
 
     mxmoe sample --ckpt out/model_mxfp8.safetensors --prompt "def " --tokens 200
 """
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -49,10 +71,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from mxmoe import parallel
+from mxmoe.corpus import load_corpus, load_stdlib, python_roots, resolve_source  # noqa: F401 (load_stdlib: re-exported)
 from mxmoe.moe import MoE
 
 VOCAB = 256  # byte-level: one token per byte
@@ -67,14 +89,14 @@ class TrainConfig:
     device: str = ""  # "cuda" or "cpu"; empty = cuda if available, else cpu
     recipes: str = "bf16,mxfp8"  # comma-separated MoE recipes, trained one after the other
     seed: int = 0  # one seed -> one init and one batch order, shared by every recipe
-    compile: str = ""  # torch.compile: "cudagraphs" (CUDA, ~3x steps/s), "inductor", "aot_eager", "eager"; not under torchrun
-    # CPU only: "fp32" runs the BF16 grouped products (torch._grouped_mm of BF16 operands, the bf16 recipe's
-    # experts) as FP32 products of the same BF16 values, rounded to BF16 (the same numbers up to FP32
-    # summation order, ~10x faster on CPUs without BF16 matrix units); "native": torch's CPU BF16 kernel
-    cpu_bf16_gemm: str = "fp32"
-    # data
-    data: str = ""  # folder whose .py files are the data (site-packages skipped); empty: this Python's stdlib
-    val_every_file: int = 20  # every N-th stdlib file (sorted) goes to the validation split
+    # torch.compile backend; not under torchrun (expert parallelism)
+    compile: str = "auto"  # auto: cudagraphs on CUDA in one process (~3x steps/s), else eager; ""/none: eager; or inductor, aot_eager, eager
+    checkpoint_every: int = 0  # steps between checkpoints (<out>/checkpoint_<recipe>.pt); 0: none (one process only)
+    resume: str = ""  # continue the killed run in this folder, with its own settings (give no other flags)
+    # data (mxmoe.corpus)
+    data: str = ""  # "stdlib", "python-all" (stdlib + site-packages) or a .py folder; empty: python-all on CUDA, else stdlib
+    data_cache: str = "~/.cache/mxmoe"  # folder caching the python-all corpus (keyed by its file list); empty: none
+    val_every_file: int = 20  # ~every N-th file is validation (stdlib/folder: N-th sorted; python-all: by content hash)
     seq_len: int = 128  # tokens (bytes) per training window = context length
     batch_size: int = 16  # windows per optimizer step (per rank under torchrun)
     # model
@@ -108,10 +130,14 @@ class TrainConfig:
         from mxmoe.recipes import get_recipe
 
         names = parse_recipes(self.recipes)
-        if self.data and not Path(self.data).is_dir():
-            raise ValueError(f"--data {self.data!r} is not a folder")
-        if self.cpu_bf16_gemm not in ("fp32", "native"):
-            raise ValueError(f"cpu_bf16_gemm must be 'fp32' or 'native', got {self.cpu_bf16_gemm!r}")
+        resolve_source(self.data, "cpu")  # a folder that does not exist fails here
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
+        if self.resume and not Path(self.resume).is_dir():
+            raise ValueError(f"--resume {self.resume!r} is not a folder")
+        if (self.checkpoint_every or self.resume) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("checkpoints and --resume are single-process only: leave --checkpoint-every at 0 "
+                             "under torchrun (expert parallelism)")
         for name in names:
             get_recipe(name).check_dims(self.dim, self.ffn_dim)  # unknown names and bad dims fail before training
         if not (self.lr > 0 and 0 <= self.min_lr_frac <= 1 and self.weight_decay >= 0 and self.grad_clip > 0
@@ -121,10 +147,10 @@ class TrainConfig:
                              f"warmup >= 0 ({self.warmup})")
         if self.device and self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} asked for, but torch sees no CUDA GPU here")
-        if self.compile:
+        if self.compile not in ("auto", "", "none"):
             if self.compile not in COMPILE_BACKENDS:
                 raise ValueError(f"compile backend {self.compile!r}: use one of {', '.join(COMPILE_BACKENDS)} "
-                                 "(or nothing, for eager)")
+                                 "(or auto, or nothing / none, for eager)")
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise ValueError("--compile is not supported with expert parallelism (torchrun): leave it off there")
             on_cpu = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
@@ -157,48 +183,44 @@ def parse_recipes(spec: str) -> list[str]:
 # torch's, unfused) from CUDA graphs, which takes the host's launch work out of the step
 COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
 
+# the yardstick of MFU for every recipe: one H200's dense BF16 tensor-core peak, FLOP/s (NVIDIA's H200
+# SXM datasheet: 1979 TFLOP/s with sparsity, half of it dense)
+PEAK_FLOPS = 989.4e12
+
+
+def compile_backend(cfg: "TrainConfig", device: torch.device, world_size: int = 1) -> str:
+    """The torch.compile backend the steps use: ``cfg.compile`` resolved (``auto``: ``cudagraphs`` on
+    CUDA in one process, else eager); ``""`` means eager."""
+    if cfg.compile == "auto":
+        return "cudagraphs" if device.type == "cuda" and world_size == 1 else ""
+    return "" if cfg.compile == "none" else cfg.compile
+
 PRESETS = {
     "tiny": dict(dim=64, layers=2, heads=2, experts=4, top_k=2, ffn_dim=64, seq_len=64, batch_size=8,
                  steps=40, warmup=5, eval_every=20, eval_batches=2),
     "default": dict(eval_every=25),
-    # ~110M parameters (SwiGLU experts: 3 * dim * ffn_dim each), ~22M active per token. 1200 steps of
-    # 8192 tokens = 9.8M tokens, under one pass over the 10.2M-byte training split: at 3000 steps of
-    # 16384 tokens (4.8 epochs, H200 2026-11-30) the model memorized (train 0.45, val 0.89 and rising)
-    "gpu": dict(dim=512, layers=8, heads=8, experts=16, top_k=2, ffn_dim=512, seq_len=512, batch_size=16,
-                steps=1200, lr=1e-3, warmup=100, eval_every=100, eval_batches=40),
+    # convergence, one recipe and seed per call: 171M parameters (SwiGLU experts: 3 * dim * ffn_dim
+    # each), 53M active per token, ~0.38 GFLOP per token (see MFU above). 2000 steps of 32768 tokens =
+    # 66M tokens: 0.2-0.3 epochs of a python-all corpus of 200-300 MB (the old 110M preset on the 10 MB
+    # stdlib memorized at 4.8 epochs). 12.4 TFLOP per step: ~4 min at 20% MFU, estimated, not timed
+    "gpu": dict(dim=640, layers=8, heads=10, experts=8, top_k=2, ffn_dim=1280, seq_len=1024, batch_size=32,
+                steps=2000, lr=6e-4, warmup=200, eval_every=100, eval_batches=16, checkpoint_every=500),
+    # tokens/s and MFU: experts' products ~75% of the step's FLOPs. 439M parameters, 137M active per
+    # token, ~0.86 GFLOP per token, 14.1 TFLOP per step of 16384 tokens; evaluated at the ends only
+    "gpu-throughput": dict(dim=2048, layers=2, heads=16, experts=8, top_k=2, ffn_dim=4096, seq_len=1024,
+                           batch_size=16, steps=300, lr=3e-4, warmup=30, eval_every=300, eval_batches=4),
 }
 
 
 def make_config(preset: str = "default", **overrides) -> TrainConfig:
-    """A ``TrainConfig`` from a named preset (``tiny``, ``default``, ``gpu``) plus field overrides."""
+    """A ``TrainConfig`` from a named preset (``tiny``, ``default``, ``gpu``, ``gpu-throughput``) plus
+    field overrides."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     return TrainConfig(**{**PRESETS[preset], **overrides})
 
 
 # ----------------------------------------------------------------------------- data
-
-def load_stdlib(val_every_file: int = 20, root: str | os.PathLike = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """Bytes of the standard library's ``.py`` files (or those under ``root``) as (train, val) uint8 tensors.
-
-    Files are sorted by path; file ``i`` is validation when ``i % val_every_file == 0``.
-    Files of a split are joined with ``b"\\n\\n"``.
-
-    Raises:
-        ValueError: ``root`` is not a folder, or it holds fewer than ``val_every_file`` ``.py`` files.
-    """
-    root = Path(root or sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise ValueError(f"data folder {str(root)!r} is not a folder")
-    files = sorted(p for p in root.rglob("*.py") if p.relative_to(root).parts[0] != "site-packages")
-    if len(files) < val_every_file:
-        raise ValueError(f"data folder {str(root)!r} has {len(files)} .py files: need at least {val_every_file}")
-    splits: tuple[list[bytes], list[bytes]] = ([], [])
-    for i, path in enumerate(files):
-        splits[i % val_every_file == 0].append(path.read_bytes())
-    train, val = (torch.frombuffer(bytearray(b"\n\n".join(s)), dtype=torch.uint8) for s in splits)
-    return train, val
-
 
 def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,57 +374,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-class CPUBF16GroupedMMAsFP32(TorchFunctionMode):
-    """Inside this mode, ``torch._grouped_mm`` of BF16 CPU tensors is computed as FP32 products of
-    the same BF16 values, rounded once to the output dtype (BF16 unless ``out_dtype`` says otherwise).
-
-    Why: on CPUs without BF16 matrix instructions (AVX2, and AVX-512 without BF16) torch's CPU BF16
-    GEMM is about 10x slower than its FP32 GEMM, which made the ``bf16`` recipe's pure-torch reference
-    3.7x slower than the ``mxfp8`` one (whose reference products run in FP32 on dequantized values).
-    Same numbers: a product of two BF16 values is exact in FP32, the sums are FP32 as in
-    ``torch._grouped_mm``, and the result is rounded to BF16 once; only the FP32 summation order may
-    differ. The autograd graph is the FP32 one, so dgrad and wgrad run in FP32 too and are rounded to
-    BF16 where the operands' BF16 casts are differentiated (as the BF16 kernel's outputs are).
-    Rows past ``offs[-1]`` are zeros (``torch._grouped_mm`` leaves them unset).
-
-    Any other call, or a ``torch._grouped_mm`` on another device or dtype, runs unchanged.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch._grouped_mm and len(args) == 3 and set(kwargs) <= {"out_dtype"}:
-            a, b, offs = args
-            if (a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and offs is not None
-                    and offs.numel() > 0):
-                return _grouped_mm_fp32(a, b, offs, kwargs.get("out_dtype") or a.dtype)
-        return func(*args, **kwargs)
-
-
-def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``torch._grouped_mm(a, b, offs)`` as per-group FP32 products (differentiable), in ``out_dtype``.
-
-    2D x 3D: ``a [M, K]``, ``b [E, K, N]`` -> ``[M, N]``; 2D x 2D: ``a [N, T]``, ``b [T, K]`` ->
-    ``[E, N, K]``; ``offs`` int32 ``[E]`` cumulative group ends (rows of ``a``, or along ``T``).
-    """
-    ends = offs.tolist()
-    starts = [0] + ends[:-1]
-    a32, b32 = a.float(), b.float()
-    if b.dim() == 3:
-        parts = [a32[s:t] @ b32[e] for e, (s, t) in enumerate(zip(starts, ends))]
-        if ends[-1] < a.shape[0]:
-            parts.append(a32.new_zeros(a.shape[0] - ends[-1], b.shape[2]))
-        return torch.cat(parts).to(out_dtype)
-    return torch.stack([a32[:, s:t] @ b32[s:t] for s, t in zip(starts, ends)]).to(out_dtype)
-
-
-def _products(cfg: TrainConfig, device: torch.device):
-    """The context the model's forward and backward run in: :class:`CPUBF16GroupedMMAsFP32` on the CPU
-    with ``cfg.cpu_bf16_gemm == "fp32"`` and no ``--compile``; else nothing."""
-    if device.type == "cpu" and cfg.cpu_bf16_gemm == "fp32" and not cfg.compile:
-        return CPUBF16GroupedMMAsFP32()
-    return contextlib.nullcontext()
-
-
 def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -424,7 +395,7 @@ def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.d
     for i in range(cfg.eval_batches * ep.size):
         x, y = get_batch(data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
         if i % ep.size == ep.rank:
-            with _autocast(device), _products(cfg, device):
+            with _autocast(device):
                 losses.append(model(x, y)[0].clone())  # clone: a CUDA graph's output is reused by its next replay
     model.train()
     return mean_over_ranks(torch.stack(losses).mean(), ep).item()
@@ -432,14 +403,20 @@ def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.d
 
 def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: torch.Tensor,
                  val_data: torch.Tensor, device: torch.device,
-                 ep: ExpertParallel = SINGLE_PROCESS) -> tuple[MoELM, dict]:
+                 ep: ExpertParallel = SINGLE_PROCESS, resume: dict | None = None,
+                 ckpt_path: Path | None = None) -> tuple[MoELM, dict]:
     """Train one recipe from ``init_state`` on the seeded batch order; return (model, metrics).
 
     Metrics: ``train_loss`` / ``aux_loss`` (one per step), ``final_train_loss`` (mean of the last
     10), ``val_step`` and ``val_loss`` (parallel lists; val at step s is measured after s
     updates), ``tokens_per_s`` and ``ms_per_step``
     (training steps only, first steps excluded as warm-up), ``peak_mem_gib`` (CUDA, else None),
-    ``wall_s`` (everything, evaluation included).
+    ``wall_s`` (everything, evaluation included), ``compile`` (the backend the steps ran under, "" eager).
+
+    Checkpoints: with ``ckpt_path`` and ``cfg.checkpoint_every > 0``, after every ``checkpoint_every``
+    updates short of the last, :func:`save_training_state` writes the state there; ``resume`` (such a
+    state, from :func:`load_training_state`) continues from its step, as if never stopped (the speed
+    numbers then time the resumed steps only; ``resumed_at_step`` says where it went on).
 
     Under torchrun (``ep.group`` set) every MoE becomes expert-parallel, rank r draws its batches
     from seed ``cfg.seed + r``, losses are means over the ranks, tokens/s counts all ranks' tokens
@@ -448,12 +425,13 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = MoELM(cfg, recipe)
-    model.load_state_dict(init_state)
+    model.load_state_dict(init_state if resume is None else resume["model"])
     if ep.group is not None:
         model = parallel.convert_to_expert_parallel(model, ep.group)  # this rank's experts of every MoE
         parallel.sync_replicated_parameters(model, ep.group)
     model.to(device).train()
-    step_fn = torch.compile(model, backend=cfg.compile) if cfg.compile else model  # same parameters
+    backend = compile_backend(cfg, device, ep.size)
+    step_fn = torch.compile(model, backend=backend) if backend else model  # same parameters
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -463,9 +441,19 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     gen = torch.Generator().manual_seed(cfg.seed + ep.rank)  # same batch order for every recipe
     ce_hist, aux_hist, step_s = [], [], []
     m = {"train_loss": [], "aux_loss": [], "val_step": [], "val_loss": []}
+    start, wall_before = 0, 0.0
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+        gen.set_state(resume["data_rng"])
+        torch.set_rng_state(resume["torch_rng"])
+        if device.type == "cuda" and resume.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(resume["cuda_rng"], device)
+        ce_hist, aux_hist = list(resume["ce_hist"].to(device)), list(resume["aux_hist"].to(device))
+        m["val_step"], m["val_loss"] = list(resume["val_step"]), list(resume["val_loss"])
+        start, wall_before = resume["step"], resume["wall_s"]
     postfix = {}
-    bar = tqdm(total=cfg.steps, desc=f"{recipe:>8}", dynamic_ncols=True, disable=ep.rank != 0)
-    for step in range(cfg.steps + 1):
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"{recipe:>8}", dynamic_ncols=True, disable=ep.rank != 0)
+    for step in range(start, cfg.steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.steps:
             m["val_step"].append(step)
             m["val_loss"].append(evaluate(step_fn, val_data, cfg, device, ep))
@@ -477,12 +465,11 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
-        if cfg.compile == "cudagraphs":
+        if backend == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are dead
-        with _products(cfg, device):
-            with _autocast(device):
-                ce, aux = step_fn(x, y)
-            (ce + aux).backward()
+        with _autocast(device):
+            ce, aux = step_fn(x, y)
+        (ce + aux).backward()
         clip_gradients(model, params, cfg.grad_clip, ep)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -494,16 +481,93 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         if step % 10 == 0:
             postfix["loss"] = f"{ce.item():.3f}"
             bar.set_postfix(postfix)
+        done = step + 1
+        if ckpt_path is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            save_training_state(ckpt_path, {
+                "format": CHECKPOINT_FORMAT, "recipe": recipe, "config": json.dumps(dataclasses.asdict(cfg)),
+                "done": False, "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "data_rng": gen.get_state(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                "ce_hist": torch.stack(ce_hist).cpu(), "aux_hist": torch.stack(aux_hist).cpu(),
+                "val_step": list(m["val_step"]), "val_loss": list(m["val_loss"]),
+                "wall_s": wall_before + time.perf_counter() - t_start})
     bar.close()
     m["train_loss"] = mean_over_ranks(torch.stack(ce_hist), ep).tolist()  # [steps]
     m["aux_loss"] = mean_over_ranks(torch.stack(aux_hist).float(), ep).tolist()
     m["final_train_loss"] = final_train_loss(m)
-    timed = step_s[min(10, cfg.steps // 5):]  # skip warm-up steps (allocator, kernel compilation)
+    timed = step_s[min(10, len(step_s) // 5):] or [float("nan")]  # skip warm-up steps (allocator, compilation)
     m["ms_per_step"] = 1e3 * sum(timed) / len(timed)
     m["tokens_per_s"] = ep.size * cfg.batch_size * cfg.seq_len * len(timed) / sum(timed)  # all ranks
     m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    m["wall_s"] = time.perf_counter() - t_start
+    m["wall_s"] = wall_before + time.perf_counter() - t_start
+    m["compile"] = backend
+    if resume is not None:
+        m["resumed_at_step"] = start
     return model, m
+
+
+# ----------------------------------------------------------------------------- resumable runs
+
+CHECKPOINT_FORMAT = "mxmoe-train-state-1"
+
+
+def save_training_state(path: str | os.PathLike, state: dict) -> None:
+    """``torch.save(state)`` to ``path`` atomically: written to a temp file in the same folder, flushed
+    to disk, then ``os.replace``d over ``path``; a crash mid-write leaves the previous file as it was
+    (and the temp file is removed on any error). ``state`` must hold only tensors, numbers, strings,
+    None and lists / dicts of them (what ``torch.load(weights_only=True)`` reads back)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_training_state(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
+    """A state written by :func:`save_training_state` (``torch.load(weights_only=True)``: no code is
+    unpickled), tensors on ``device`` (generator states stay on the CPU).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not a ``mxmoe train`` training state.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no training state at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a mxmoe train checkpoint (format {CHECKPOINT_FORMAT})")
+    if "model" in state:
+        state["model"] = {k: v.to(device) for k, v in state["model"].items()}
+    return state
+
+
+def load_run_config(folder: str | os.PathLike) -> TrainConfig:
+    """The settings of the checkpointed run in ``folder`` (its ``run_config.json``), with ``out`` and
+    ``resume`` set to ``folder``: what ``mxmoe train --resume DIR`` runs.
+
+    Raises:
+        ValueError: ``folder`` is not a folder, or holds no ``run_config.json`` (not a run with
+            ``--checkpoint-every``).
+    """
+    path = Path(folder) / "run_config.json"
+    if not Path(folder).is_dir():
+        raise ValueError(f"--resume {str(folder)!r} is not a folder")
+    if not path.is_file():
+        raise ValueError(f"--resume {str(folder)!r}: no run_config.json there (it is written by a run with "
+                         "--checkpoint-every N > 0 into its --out folder)")
+    saved = json.loads(path.read_text())
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{**{k: v for k, v in saved.items() if k in known}, "out": str(folder), "resume": str(folder)})
+
+
+def _same_run(a: dict, b: dict) -> bool:
+    """Whether two config dicts describe the same computation (``out`` and ``resume`` aside)."""
+    return all(a.get(k) == b.get(k) for k in set(a) | set(b) if k not in ("out", "resume"))
 
 
 def final_train_loss(m: dict, last: int = 10) -> float:
@@ -571,7 +635,7 @@ def generate(model: MoELM, prompt: bytes, tokens: int, temperature: float = 0.8,
     gen = torch.Generator().manual_seed(seed)
     idx = torch.tensor(list(prompt), dtype=torch.long)  # [P]
     out = []
-    with (CPUBF16GroupedMMAsFP32() if device.type == "cpu" else contextlib.nullcontext()), _autocast(device):
+    with _autocast(device):
         for _ in range(tokens):
             logits = model.logits(idx[-context:].unsqueeze(0).to(device))[0, -1].cpu()  # [V] FP32
             if temperature == 0:
@@ -629,7 +693,16 @@ SEED_SPREAD: dict[str, dict] = {
 
 # fields that do not change what a run computes (or not beyond summation order): a stored spread applies
 # to a run whose other fields equal the preset's
-_SPREAD_FREE = ("out", "device", "recipes", "seed", "compile", "cpu_bf16_gemm", "eval_every", "data")
+# (stored runs' configs may hold fields of older versions, e.g. cpu_bf16_gemm: only today's fields are compared)
+_SPREAD_FREE = ("out", "device", "recipes", "seed", "compile", "eval_every", "data", "data_cache",
+                "checkpoint_every", "resume")
+
+
+def _data_source(cfg: dict) -> str:
+    """``stdlib``, ``python-all`` or the folder a run of config dict ``cfg`` reads (:func:`resolve_source`)."""
+    device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    data = cfg.get("data") or ""
+    return data or ("python-all" if device.startswith("cuda") else "stdlib")
 
 
 def seed_spread(cfg: dict) -> dict | None:
@@ -640,12 +713,12 @@ def seed_spread(cfg: dict) -> dict | None:
     losses, "gaps": {recipe: [final val - bf16's, per seed]}, "val_step", "bf16_curves": {seed: [...]},
     "data", "python"}``.
     """
-    if not cfg.get("data") and not platform.python_version().startswith(tuple(
-            sp["python"] + "." for sp in SEED_SPREAD.values())):
-        return None  # this Python's stdlib is other data
+    source = _data_source(cfg)
+    if source == "python-all":
+        return None  # every spread was measured on a standard library
     for preset, spread in SEED_SPREAD.items():
-        if not cfg.get("data") and not platform.python_version().startswith(spread["python"] + "."):
-            continue
+        if source == "stdlib" and not platform.python_version().startswith(spread["python"] + "."):
+            continue  # this Python's stdlib is other data
         want = dataclasses.asdict(make_config(preset))
         if all(cfg.get(k) == v for k, v in want.items() if k not in _SPREAD_FREE):
             runs = spread["runs"]  # {seed: {recipe: [val losses at val_step]}}
@@ -714,7 +787,8 @@ def plot_losses(metrics: dict, path: Path) -> None:
                     va="top", fontsize=8)
     cfg = metrics["config"]
     ax.set(ylabel="cross-entropy (nats / byte)",
-           title=f"MoE LM on stdlib bytes: {cfg['layers']}L d{cfg['dim']} {cfg['experts']}E top-{cfg['top_k']}, "
+           title=f"MoE LM on {metrics.get('data', {}).get('source', 'stdlib')} bytes: {cfg['layers']}L d{cfg['dim']} "
+                 f"{cfg['experts']}E top-{cfg['top_k']}, "
                  f"seed {cfg['seed']}, {metrics['env']['device']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
@@ -738,7 +812,8 @@ def plot_losses(metrics: dict, path: Path) -> None:
                      label=f"{recipe} − bf16")
         dax.axhline(0, color="k", lw=0.8)
         dax.set_ylabel("val loss − bf16's (nats)")
-        dax.legend(fontsize=8)
+        if dax.get_legend_handles_labels()[0]:  # a bf16-only run without a stored spread has none
+            dax.legend(fontsize=8)
     else:
         dax.text(0.5, 0.5, "no bf16 run: no difference to show", ha="center", va="center", transform=dax.transAxes)
     dax.set_xlabel("step")
@@ -749,16 +824,23 @@ def plot_losses(metrics: dict, path: Path) -> None:
 
 def summarize(metrics: dict) -> str:
     """A small table (recipe, final train loss (mean of the last 10 steps), final val loss,
-    tokens/s, wall s), then each recipe's final val-loss gap to bf16 (nats and %) with a verdict
-    against the stored seed-to-seed spread (:func:`verdict`). On the CPU the speed column is headed
-    ``ref tok/s``: every recipe runs the pure-torch reference there, not the GPU kernels."""
+    tokens/s, wall s; on CUDA also ms/step, MFU and peak memory), then each recipe's final val-loss gap
+    to bf16 (nats and %) with a verdict against the stored seed-to-seed spread (:func:`verdict`). On the
+    CPU the speed column is headed ``ref tok/s``: every recipe runs the pure-torch reference there, not
+    the GPU kernels."""
     w = max([10] + [len(r) + 1 for r in metrics["recipes"]])  # recipe column: the longest name + 1
     cpu = metrics["env"]["device"].startswith("cpu")
     speed = "ref tok/s" if cpu else "tokens/s"
-    rows = [f"{'recipe':<{w}}{'train loss':>12}{'val loss':>10}{speed:>11}{'wall s':>8}"]
+    gpu = "" if cpu else f"{'ms/step':>9}{'MFU':>7}{'peak GiB':>9}"
+    rows = [f"{'recipe':<{w}}{'train loss':>12}{'val loss':>10}{speed:>11}{'wall s':>8}{gpu}"]
     for recipe, m in metrics["recipes"].items():
         rows.append(f"{recipe:<{w}}{m['final_train_loss']:>12.4f}{m['val_loss'][-1]:>10.4f}"
-                    f"{m['tokens_per_s']:>11,.0f}{m['wall_s']:>8.1f}")
+                    f"{m['tokens_per_s']:>11,.0f}{m['wall_s']:>8.1f}" + ("" if cpu else
+                    f"{m['ms_per_step']:>9.1f}{100 * (m.get('mfu') or 0):>6.1f}%{m['peak_mem_gib'] or 0:>9.1f}"))
+    if not cpu:
+        rows.append(f"MFU: {metrics.get('model_flops_per_token', 0) / 1e9:.3f} GFLOP per token (6 x matmul params "
+                    f"used + attention) x tokens/s over {metrics.get('peak_flops', PEAK_FLOPS) / 1e12:.1f} TFLOP/s "
+                    "(H200 dense BF16, every recipe)")
     if cpu:
         rows.append(f"{speed}: the CPU runs every recipe's pure-torch reference (MX: quantize, dequantize, FP32 "
                     "products); it says nothing about the GPU kernels' speed")
@@ -769,44 +851,229 @@ def summarize(metrics: dict) -> str:
     return "\n".join(rows)
 
 
+def throughput_rows(metrics: dict) -> list[dict]:
+    """Rows of ``train_gpu_throughput.json``, one per recipe of a run's ``metrics``: ``recipe``,
+    ``tokens_per_s`` (training steps, warm-up excluded), ``mfu`` (see the module docstring; None off
+    CUDA), ``ms_per_step``, ``peak_mem_gib`` (None off CUDA) and ``vs_bf16`` (tokens/s over bf16's; None
+    without a bf16 run)."""
+    recs = metrics["recipes"]
+    ref = recs.get("bf16", {}).get("tokens_per_s")
+    return [{"recipe": r, "tokens_per_s": m["tokens_per_s"], "mfu": m.get("mfu"), "ms_per_step": m["ms_per_step"],
+             "peak_mem_gib": m["peak_mem_gib"], "vs_bf16": m["tokens_per_s"] / ref if ref else None}
+            for r, m in recs.items()]
+
+
+def write_throughput(metrics: dict | str | os.PathLike, path: str | os.PathLike) -> dict:
+    """Write ``train_gpu_throughput.json`` to ``path`` from a run's metrics (a dict or its
+    ``metrics.json``): ``rows`` (:func:`throughput_rows`), ``env``, ``config``, ``params``,
+    ``model_flops_per_token``, ``peak_flops`` and the date. Returns what it wrote."""
+    if not isinstance(metrics, dict):
+        metrics = json.loads(Path(metrics).read_text())
+    doc = {"rows": throughput_rows(metrics), "env": metrics["env"], "config": metrics["config"],
+           "params": metrics["params"], "model_flops_per_token": metrics.get("model_flops_per_token"),
+           "peak_flops": metrics.get("peak_flops"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    Path(path).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def compare_runs(runs: list[dict]) -> dict:
+    """Recipes over seeds, from runs' metrics (e.g. ``train_gpu_<recipe>_seed<N>.json``, one recipe or
+    more each; a (recipe, seed) given twice raises ValueError, as do runs of other settings than the
+    first's, seed and recipes aside).
+
+    Returns ``{recipe: {"seeds": [...], "val": {seed: final val loss}, "val_mean", "val_spread" (max - min),
+    "train": {seed: final train loss}, "val_minus_train_pct": {seed: 100 (val - train) / train},
+    "gap_pct": {seed: 100 (val - bf16's val of that seed) / bf16's} (seeds with a bf16 run), "gap_mean_pct"
+    (None without any)}}``.
+    """
+    if not runs:
+        raise ValueError("compare_runs: no runs given")
+    free = ("seed", "recipes", "out", "resume", "device", "data_cache", "checkpoint_every")
+    first = {k: v for k, v in runs[0]["config"].items() if k not in free}
+    by: dict[str, dict[int, dict]] = {}
+    for metrics in runs:
+        cfg = metrics["config"]
+        if {k: v for k, v in cfg.items() if k not in free} != first:
+            raise ValueError(f"compare_runs: run of seed {cfg['seed']} ({', '.join(metrics['recipes'])}) has other "
+                             "settings than the first run's")
+        for recipe, m in metrics["recipes"].items():
+            if cfg["seed"] in by.setdefault(recipe, {}):
+                raise ValueError(f"compare_runs: recipe {recipe} seed {cfg['seed']} given twice")
+            by[recipe][cfg["seed"]] = m
+    out = {}
+    for recipe, seeds in by.items():
+        val = {s: m["val_loss"][-1] for s, m in sorted(seeds.items())}
+        train = {s: m["final_train_loss"] for s, m in sorted(seeds.items())}
+        gap = {s: 100 * (v - by["bf16"][s]["val_loss"][-1]) / by["bf16"][s]["val_loss"][-1]
+               for s, v in val.items() if s in by.get("bf16", {})}
+        out[recipe] = {"seeds": sorted(seeds), "val": val, "val_mean": sum(val.values()) / len(val),
+                       "val_spread": max(val.values()) - min(val.values()), "train": train,
+                       "val_minus_train_pct": {s: 100 * (val[s] - train[s]) / train[s] for s in val},
+                       "gap_pct": gap, "gap_mean_pct": sum(gap.values()) / len(gap) if gap else None}
+    return out
+
+
+def compare_table(cmp: dict) -> str:
+    """A markdown table of :func:`compare_runs`: recipe, seeds, final val loss (mean and max - min over
+    seeds), gap to bf16 (mean over seeds, %), worst val - train (%)."""
+    rows = ["| recipe | seeds | val loss, mean | spread (max - min) | gap to bf16, mean | val - train, worst |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for recipe, c in cmp.items():
+        gap = "" if recipe == "bf16" or c["gap_mean_pct"] is None else f"{c['gap_mean_pct']:+.2f}%"
+        rows.append(f"| {recipe} | {', '.join(map(str, c['seeds']))} | {c['val_mean']:.4f} | {c['val_spread']:.4f} | "
+                    f"{gap} | {max(c['val_minus_train_pct'].values()):+.2f}% |")
+    return "\n".join(rows)
+
+
+def plot_compare(runs: list[dict], path: str | os.PathLike) -> None:
+    """Loss curves of runs over recipes and seeds (as :func:`compare_runs` takes them), PNG (Agg): top,
+    every (recipe, seed)'s validation loss (colour per recipe, line style per seed) and 10-step mean
+    train loss (faint); bottom, each recipe's validation loss minus bf16's of the same seed, with bf16's
+    seed-to-seed spread (max - min over its seeds at every validation step) as a band around zero."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    compare_runs(runs)  # the same checks
+    by: dict[str, dict[int, dict]] = {}
+    for metrics in runs:
+        for recipe, m in metrics["recipes"].items():
+            by.setdefault(recipe, {})[metrics["config"]["seed"]] = m
+    colors = {r: f"C{i}" for i, r in enumerate(by)}
+    lines = ["-", "--", ":", "-."]
+    fig = Figure(figsize=(9, 7.5))
+    FigureCanvasAgg(fig)
+    ax, dax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    for recipe, seeds in by.items():
+        for j, (seed, m) in enumerate(sorted(seeds.items())):
+            tl = torch.tensor(m["train_loss"])
+            w = min(10, len(tl))
+            ax.plot(torch.arange(w, len(tl) + 1), tl.unfold(0, w, 1).mean(1), color=colors[recipe], lw=0.6, alpha=0.3)
+            ax.plot(m["val_step"], m["val_loss"], color=colors[recipe], ls=lines[j % 4], marker=".",
+                    label=f"{recipe} seed {seed} val")
+    ax.set_ylim(top=min(max(m["val_loss"][1:] or m["val_loss"]) for s in by.values() for m in s.values()) * 1.15)
+    cfg = runs[0]["config"]
+    ax.set(ylabel="cross-entropy (nats / byte)",
+           title=f"MoE LM: {cfg['layers']}L d{cfg['dim']} {cfg['experts']}E top-{cfg['top_k']} ffn {cfg['ffn_dim']}, "
+                 f"{runs[0]['env'].get('gpu') or runs[0]['env']['device']} (train: faint, 10-step mean)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    bf16 = by.get("bf16", {})
+    steps = next(iter(bf16.values()))["val_step"] if bf16 else None
+    if len(bf16) >= 2 and all(m["val_step"] == steps for m in bf16.values()):
+        curves = torch.tensor([m["val_loss"] for m in bf16.values()])  # [seeds, evals]
+        band = (curves.max(0).values - curves.min(0).values).tolist()
+        dax.fill_between(steps, [-b for b in band], band, color="0.8", alpha=0.7,
+                         label=f"± bf16 seed-to-seed spread ({len(bf16)} seeds)")
+    for recipe, seeds in by.items():
+        for j, (seed, m) in enumerate(sorted(seeds.items())):
+            if recipe != "bf16" and seed in bf16 and m["val_step"] == bf16[seed]["val_step"]:
+                dax.plot(m["val_step"], [v - r for v, r in zip(m["val_loss"], bf16[seed]["val_loss"])],
+                         color=colors[recipe], ls=lines[j % 4], marker=".", label=f"{recipe} − bf16, seed {seed}")
+    dax.axhline(0, color="k", lw=0.8)
+    dax.set(xlabel="step", ylabel="val loss − bf16's, same seed (nats)")
+    dax.grid(alpha=0.3)
+    if dax.get_legend_handles_labels()[0]:
+        dax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def model_flops_per_token(cfg: TrainConfig) -> float:
+    """Model FLOPs of one training token (forward and backward), as MFU counts them: 6 x the
+    matrix-multiply parameters a token uses (per layer: QKV and output projections ``4 dim^2``, router
+    ``dim x experts``, ``top_k`` SwiGLU experts ``3 dim ffn_dim`` each; the LM head ``dim x 256``;
+    embedding lookups excluded) + attention scores and values, ``12 x layers x seq_len x dim`` (the
+    causal mask's half not taken off)."""
+    per_layer = 4 * cfg.dim ** 2 + cfg.dim * cfg.experts + cfg.top_k * 3 * cfg.dim * cfg.ffn_dim
+    return 6.0 * (cfg.layers * per_layer + cfg.dim * VOCAB) + 12.0 * cfg.layers * cfg.seq_len * cfg.dim
+
+
 def run(cfg: TrainConfig) -> dict:
     """Train every recipe of ``cfg.recipes`` from one init on one batch order; write the outputs.
 
     Under torchrun with more than one process: joins the process group, trains expert-parallel,
     has rank 0 print and write, and destroys the group at the end.
+    With ``cfg.checkpoint_every``: writes ``run_config.json`` first (and removes the recipes' states
+    of an earlier run in ``cfg.out``), then training states (:func:`train_recipe`); a finished recipe's
+    state keeps only its metrics. With ``cfg.resume``:
+    finished recipes are taken from their states, an unfinished one continues from its state.
     Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
+
+    Raises:
+        ValueError: ``cfg.resume`` with a state of other settings than ``cfg``'s.
     """
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ep, device = init_expert_parallel(cfg, device)
     main_rank = ep.rank == 0  # prints and writes
     recipes = parse_recipes(cfg.recipes)
     out = Path(cfg.out)
+    config = dataclasses.asdict(cfg)
+    states = {}
+    if cfg.resume:
+        for recipe in recipes:
+            if (out / f"checkpoint_{recipe}.pt").is_file():
+                states[recipe] = load_training_state(out / f"checkpoint_{recipe}.pt", device)
+                if not _same_run(json.loads(states[recipe]["config"]), config):
+                    raise ValueError(f"{out / f'checkpoint_{recipe}.pt'} was written by a run of other settings")
     if main_rank:
         out.mkdir(parents=True, exist_ok=True)
-    train_data, val_data = load_stdlib(cfg.val_every_file, cfg.data)
+        if cfg.checkpoint_every and not cfg.resume:
+            _write_json_atomic(out / "run_config.json", config)
+            for recipe in recipes:  # a fresh run: an earlier run's states in this folder are not this run's
+                (out / f"checkpoint_{recipe}.pt").unlink(missing_ok=True)
+    corpus = load_corpus(cfg.data, device.type, cfg.val_every_file, cfg.data_cache)
+    train_data, val_data = corpus.train, corpus.val
     torch.manual_seed(cfg.seed)
     init_model = MoELM(cfg, recipes[0])
     init_state = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
     params = count_params(init_model, cfg)
     del init_model
+    tokens = cfg.steps * cfg.batch_size * cfg.seq_len * ep.size
+    data = {**corpus.info(), "tokens_per_recipe": tokens, "epochs_per_recipe": tokens / len(train_data)}
+    backend = compile_backend(cfg, device, ep.size)
     if main_rank:
         ranks = f" x {ep.size} ranks, expert parallel" if ep.group is not None else ""
-        print(f"data: {len(train_data) / 1e6:.1f}M train / {len(val_data) / 1e6:.1f}M val bytes of stdlib .py | "
-              f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "
-              f"per token | device: {device}{ranks} | recipes: {', '.join(recipes)}")
+        cached = f", from the cache {corpus.cache}" if corpus.from_cache else (f", cached to {corpus.cache}"
+                                                                               if corpus.cache else "")
+        dups = f", {corpus.duplicates:,} duplicate files skipped" if corpus.duplicates else ""
+        print(f"data: {corpus.source}: {corpus.files['train']:,} train / {corpus.files['val']:,} val files, "
+              f"{len(train_data) / 1e6:.1f}M / {len(val_data) / 1e6:.1f}M bytes{dups}{cached}; "
+              f"a recipe's run reads {tokens / 1e6:.1f}M tokens = {data['epochs_per_recipe']:.3g} epochs of the "
+              f"train split" + (" (more than one pass: the model can memorize it)" if data["epochs_per_recipe"] >= 1
+                                else ""))
+        print(f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "
+              f"per token | device: {device}{ranks} | recipes: {', '.join(recipes)} | steps: "
+              + (f"torch.compile backend {backend}" + (" (CUDA graphs)" if backend == "cudagraphs" else "")
+                 if backend else "eager")
+              + (f" | checkpoints every {cfg.checkpoint_every} steps in {out}" if cfg.checkpoint_every else "")
+              + (" | resumed: " + ", ".join(f"{r} at step {s.get('step', cfg.steps)}" for r, s in states.items())
+                 if states else ""))
+    where = {"stdlib": sysconfig.get_paths()["stdlib"], "python-all": "python-all: " + ", ".join(python_roots())}
     env = {"device": str(device), "world_size": ep.size, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": platform.python_version(), "data": str(Path(cfg.data or sysconfig.get_paths()["stdlib"])),
+           "python": platform.python_version(), "data": where.get(corpus.source, str(Path(corpus.source))),
            "platform": platform.platform(), "threads": torch.get_num_threads(),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    metrics = {"config": dataclasses.asdict(cfg), "env": env, "params": params,
-               "data_bytes": {"train": len(train_data), "val": len(val_data)}, "recipes": {}}
+    flops = model_flops_per_token(cfg)
+    metrics = {"config": config, "env": env, "params": params,
+               "data_bytes": {"train": len(train_data), "val": len(val_data)}, "data": data,
+               "model_flops_per_token": flops, "peak_flops": PEAK_FLOPS, "recipes": {}}
     for recipe in recipes:
-        model, metrics["recipes"][recipe] = train_recipe(cfg, recipe, init_state, train_data, val_data, device, ep)
-        state = full_state_dict(model, ep)  # every rank takes part; rank 0 writes
+        state = states.get(recipe)
+        if state is not None and state["done"]:
+            metrics["recipes"][recipe] = state["metrics"]
+            continue
+        ckpt = out / f"checkpoint_{recipe}.pt" if cfg.checkpoint_every and ep.group is None else None
+        model, m = train_recipe(cfg, recipe, init_state, train_data, val_data, device, ep, state, ckpt)
+        m["mfu"] = m["tokens_per_s"] * flops / PEAK_FLOPS if device.type == "cuda" else None
+        metrics["recipes"][recipe] = m
+        weights = full_state_dict(model, ep)  # every rank takes part; rank 0 writes
         if main_rank:
-            save_file(state, out / f"model_{recipe}.safetensors",
-                      metadata={"recipe": recipe, "config": json.dumps(dataclasses.asdict(cfg))})
-        del model, state
+            save_file(weights, out / f"model_{recipe}.safetensors",
+                      metadata={"recipe": recipe, "config": json.dumps(config)})
+            if ckpt is not None:  # finished: the metrics alone (the weights are in the safetensors file)
+                save_training_state(ckpt, {"format": CHECKPOINT_FORMAT, "recipe": recipe, "done": True,
+                                           "config": json.dumps(config), "metrics": m})
+        del model, weights
     if "bf16" in metrics["recipes"]:
         ref = metrics["recipes"]["bf16"]["val_loss"][-1]
         metrics["val_gap_vs_bf16_pct"] = {r: 100 * (m["val_loss"][-1] - ref) / ref
@@ -824,3 +1091,12 @@ def run(cfg: TrainConfig) -> dict:
     if ep.group is not None:
         parallel.shutdown_distributed()
     return metrics
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

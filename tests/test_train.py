@@ -3,8 +3,10 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,8 +191,8 @@ def test_config_checks(monkeypatch):
     (["--recipes", "bf16,,mxfp8"], "has an empty name"),
     (["--recipes", "bf16,mxfp8,"], "has an empty name"),
     (["--recipes", "bf16,bf16"], "names a recipe twice"),
-    (["--cpu-bf16-gemm", "fast"], "cpu_bf16_gemm must be 'fp32' or 'native'"),
-    (["--data", "/nonexistent/folder"], "is not a folder"),
+    (["--data", "/nonexistent/folder"], "is not a folder (nor one of stdlib, python-all)"),
+    (["--checkpoint-every", "-1"], "checkpoint_every must be >= 0"),
     (["--recipes", "bf16,mxfp9"], "unknown recipe 'mxfp9'"),
     (["--val-every-file", "1"], "val_every_file"),
     (["--experts", "3", "--top-k", "5"], "top_k 5"),
@@ -254,40 +256,6 @@ def test_sample_cli_rejects_a_missing_checkpoint(tmp_path, capsys):
     assert e.value.code == 2 and "no checkpoint at" in err and "usage: mxmoe sample" in err
 
 
-def test_cpu_bf16_products_as_fp32_match_torch():
-    """CPUBF16GroupedMMAsFP32: torch._grouped_mm's values (BF16 operands, FP32 sums, one BF16 rounding) up to
-    summation order, in forward and backward, zeros past offs[-1]; other calls untouched."""
-    from mxmoe.train import CPUBF16GroupedMMAsFP32
-
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(300, 64, generator=gen).bfloat16().requires_grad_()
-    b = torch.randn(4, 64, 96, generator=gen).bfloat16().requires_grad_()
-    offs = torch.tensor([50, 50, 200, 280], dtype=torch.int32)
-    want = torch._grouped_mm(a, b, offs)
-    with CPUBF16GroupedMMAsFP32():
-        got = torch._grouped_mm(a, b, offs)
-        assert torch.equal(torch.mm(a[:4], b[0]), torch.mm(a[:4], b[0]))  # other ops run as they are
-    assert got.dtype == torch.bfloat16 and not got[280:].any()
-    ulp = want[:280].float().abs() * 2.0**-7 + 1e-6
-    assert bool(((got[:280].float() - want[:280].float()).abs() <= ulp).all())
-    assert (got[:280] != want[:280]).float().mean() < 0.01  # only a rare last-bit difference
-    dy = torch.randn(300, 96, generator=gen).bfloat16()
-    want_g = torch.autograd.grad(want[:280], (a, b), dy[:280])
-    got_g = torch.autograd.grad(got[:280], (a, b), dy[:280])
-    # the empty group's weight gradient and the rows past offs[-1]: zeros (torch's CPU kernel leaves them unset)
-    assert not got_g[1][1].any() and not got_g[0][280:].any()
-    for w, g in zip((want_g[0][:280], want_g[1][[0, 2, 3]]), (got_g[0][:280], got_g[1][[0, 2, 3]])):
-        assert g.dtype == torch.bfloat16
-        assert bool(((g.float() - w.float()).abs() <= w.float().abs() * 2.0**-7 + 1e-3).all())
-    wgrad = torch.randn(96, 280, generator=gen).bfloat16(), torch.randn(280, 64, generator=gen).bfloat16()
-    with CPUBF16GroupedMMAsFP32():
-        got = torch._grouped_mm(*wgrad, offs)
-    want = torch._grouped_mm(*wgrad, offs)
-    assert got.shape == (4, 96, 64) and not got[1].any()  # an empty group: zeros (torch leaves it unset)
-    got, want = got[[0, 2, 3]].float(), want[[0, 2, 3]].float()
-    assert bool(((got - want).abs() <= want.abs() * 2.0**-7 + 1e-4).all())
-
-
 def test_verdict_and_stored_seed_spread(monkeypatch):
     import dataclasses
 
@@ -306,3 +274,193 @@ def test_verdict_and_stored_seed_spread(monkeypatch):
     assert "no seed-to-seed spread is stored" in train.verdict(0.01, None)
     monkeypatch.setattr(train.platform, "python_version", lambda: "3.12.3")  # another stdlib: other data
     assert train.seed_spread(dataclasses.asdict(make_config("default"))) is None
+
+
+# ----------------------------------------------------------------------------- resumable runs (issue 23)
+
+RESUME_FLAGS = ["--preset", "tiny", "--steps", "16", "--eval-every", "8", "--eval-batches", "1",
+                "--checkpoint-every", "4", "--recipes", "bf16,fp32", "--device", "cpu"]
+
+
+def _train_proc(*args: str) -> subprocess.Popen:
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}  # one thread each: two runs share the cores without spinning threads
+    return subprocess.Popen([sys.executable, "-m", "mxmoe", "train", *args], env=env, cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_killed_run_resumes_to_the_uninterrupted_numbers(tmp_path):
+    """A real run is SIGKILLed once its second recipe has a checkpoint (the first recipe finished);
+    ``mxmoe train --resume DIR`` continues it; every loss and the final weights equal those of an
+    uninterrupted run bit for bit (CPU: every op is deterministic)."""
+    from safetensors.torch import load_file
+
+    whole = _train_proc(*RESUME_FLAGS, "--out", str(tmp_path / "whole"))  # runs alongside the killed one
+    killed = _train_proc(*RESUME_FLAGS, "--out", str(tmp_path / "killed"))
+    ckpt = tmp_path / "killed" / "checkpoint_fp32.pt"
+    deadline = time.monotonic() + 240
+    while not ckpt.exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    log = killed.communicate()[0]
+    assert killed.returncode == -signal.SIGKILL, log[-3000:]  # killed, not finished
+    assert not (tmp_path / "killed" / "metrics.json").exists()
+    assert torch.load(ckpt, weights_only=True)["step"] in (4, 8, 12)  # part-way through fp32
+    resumed = _train_proc("--resume", str(tmp_path / "killed"))
+    log = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0, log[-3000:]
+    assert "resumed: bf16 at step 16, fp32 at step" in log
+    assert whole.wait(timeout=300) == 0, whole.communicate()[0][-3000:]
+    got = json.loads((tmp_path / "killed" / "metrics.json").read_text())
+    want = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert got["recipes"]["fp32"]["resumed_at_step"] in (4, 8, 12)
+    for recipe in ("bf16", "fp32"):
+        for key in ("train_loss", "aux_loss", "val_step", "val_loss", "final_train_loss"):
+            assert got["recipes"][recipe][key] == want["recipes"][recipe][key], (recipe, key)
+        a = load_file(tmp_path / "killed" / f"model_{recipe}.safetensors")
+        b = load_file(tmp_path / "whole" / f"model_{recipe}.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_training_state_write_is_atomic(tmp_path, monkeypatch):
+    """A write that fails part-way leaves the previous state file intact and no temp file behind."""
+    from mxmoe import train
+
+    path = tmp_path / "checkpoint_bf16.pt"
+    train.save_training_state(path, {"format": train.CHECKPOINT_FORMAT, "step": 4, "model": {"w": torch.ones(3)}})
+
+    def crash(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train.torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        train.save_training_state(path, {"format": train.CHECKPOINT_FORMAT, "step": 8})
+    state = train.load_training_state(path)
+    assert state["step"] == 4 and torch.equal(state["model"]["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_bf16.pt"]
+    (tmp_path / "other.pt").write_bytes(b"")
+    monkeypatch.undo()
+    torch.save({"step": 1}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not a mxmoe train checkpoint"):
+        train.load_training_state(tmp_path / "other.pt")
+
+
+def test_resume_cli_errors(tmp_path, capsys):
+    for flags, msg in [(["--resume", str(tmp_path / "nope")], "is not a folder"),
+                       (["--resume", str(tmp_path)], "no run_config.json there"),
+                       (["--resume", str(tmp_path), "--steps", "3"], "give no other flags (got --steps)"),
+                       (["--resume", str(tmp_path), "--preset", "tiny"], "give no other flags (got --preset)")]:
+        with pytest.raises(SystemExit) as e:
+            main(["train", *flags])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err, (flags, err)
+
+
+# ----------------------------------------------------------------------------- GPU presets and artefacts (issue 23)
+
+def test_gpu_presets():
+    """The sizes issue 23 asks for; every recipe compared accepts the dims; CUDA graphs on CUDA by default."""
+    from mxmoe.recipes import get_recipe
+    from mxmoe.train import compile_backend, count_params, model_flops_per_token
+
+    gpu, tp = make_config("gpu"), make_config("gpu-throughput")
+    total = count_params(MoELM(gpu, "bf16"), gpu)["total"]
+    assert 100e6 <= total <= 200e6 and gpu.steps >= 2000 and gpu.checkpoint_every > 0
+    assert tp.dim >= 2048 and tp.ffn_dim >= 1024 and 100 <= tp.steps <= 1000
+    for cfg in (gpu, tp):
+        for recipe in ("bf16", "mxfp8", "mxfp8_128"):
+            get_recipe(recipe).check_dims(cfg.dim, cfg.ffn_dim)
+        assert compile_backend(cfg, torch.device("cuda")) == "cudagraphs"
+        assert compile_backend(cfg, torch.device("cuda"), world_size=2) == ""  # not under torchrun
+        assert compile_backend(cfg, torch.device("cpu")) == ""
+    assert compile_backend(make_config("tiny", compile="none"), torch.device("cuda")) == ""
+    # 6 x matmul params per token + attention: the tiny preset by hand
+    t = make_config("tiny")
+    per_layer = 4 * 64 * 64 + 64 * 4 + 2 * 3 * 64 * 64
+    assert model_flops_per_token(t) == 6 * (2 * per_layer + 64 * 256) + 12 * 2 * 64 * 64
+    assert make_config("tiny", data="python-all").data == "python-all"
+
+
+def test_seed_spread_matches_stored_runs(monkeypatch):
+    """The stored CPU default runs (whose configs hold the since-removed cpu_bf16_gemm field and lack
+    the new ones) still find the stored spread."""
+    from mxmoe import train
+
+    monkeypatch.setattr(train.platform, "python_version", lambda: "3.11.7")
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu"
+    configs = [json.loads(p.read_text())["config"] for p in sorted(root.glob("train_default*.json"))]
+    assert len(configs) >= 4 and any("cpu_bf16_gemm" in c for c in configs)
+    for cfg in configs:
+        assert "checkpoint_every" not in cfg and train.seed_spread(cfg)["preset"] == "default"
+    assert train.seed_spread({**cfg, "data": "python-all"}) is None  # other data
+    assert train.seed_spread({**cfg, "data": "stdlib"})["preset"] == "default"
+
+
+def test_compare_runs_and_throughput_rows(run_dir, tmp_path):
+    """Per-(recipe, seed) runs combine into means, spreads and gaps; the throughput rows carry the keys
+    train_gpu_throughput.json needs."""
+    import copy
+
+    from mxmoe.train import compare_runs, compare_table, plot_compare, throughput_rows, write_throughput
+
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    runs = []
+    for seed, shift in ((0, 0.0), (1, 0.1)):  # two fake seeds, one recipe per file as the gpu preset writes
+        for recipe in ("bf16", "mxfp8"):
+            m = copy.deepcopy(metrics)
+            m["config"]["seed"], m["config"]["recipes"] = seed, recipe
+            m["recipes"] = {recipe: m["recipes"][recipe]}
+            m["recipes"][recipe]["val_loss"] = [v + shift for v in m["recipes"][recipe]["val_loss"]]
+            runs.append(m)
+    cmp = compare_runs(runs)
+    bf16, mx = metrics["recipes"]["bf16"], metrics["recipes"]["mxfp8"]
+    assert cmp["bf16"]["seeds"] == [0, 1] and cmp["bf16"]["val_spread"] == pytest.approx(0.1)
+    gap = 100 * (mx["val_loss"][-1] - bf16["val_loss"][-1]) / bf16["val_loss"][-1]
+    assert cmp["mxfp8"]["gap_pct"][0] == pytest.approx(gap)
+    assert cmp["mxfp8"]["val_minus_train_pct"][0] == pytest.approx(
+        100 * (mx["val_loss"][-1] - mx["final_train_loss"]) / mx["final_train_loss"])
+    assert "| mxfp8 | 0, 1 |" in compare_table(cmp)
+    plot_compare(runs, tmp_path / "cmp.png")
+    assert (tmp_path / "cmp.png").read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match="given twice"):
+        compare_runs(runs + runs[:1])
+    other = copy.deepcopy(runs[0])
+    other["config"]["dim"] = 128
+    with pytest.raises(ValueError, match="other settings"):
+        compare_runs(runs + [other])
+    rows = throughput_rows(metrics)
+    assert [r["recipe"] for r in rows] == ["bf16", "mxfp8"] and rows[0]["vs_bf16"] == 1.0
+    assert {"recipe", "tokens_per_s", "mfu", "ms_per_step", "peak_mem_gib"} <= set(rows[0])
+    doc = write_throughput(run_dir / "metrics.json", tmp_path / "tp.json")
+    assert json.loads((tmp_path / "tp.json").read_text())["rows"] == doc["rows"] == rows
+    assert metrics["data"]["source"] == "stdlib" and 0 < metrics["data"]["epochs_per_recipe"] < 1
+
+
+def test_python_all_corpus_in_a_run(tmp_path, monkeypatch, capsys):
+    """--data python-all through a run (roots: a temp tree of fake sources): the log names the files,
+    bytes and epochs; metrics.json records them; the second run reads the cache."""
+    from mxmoe import corpus
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"m{i}.py").write_text(f"def function_{i}(x):\n    return x * {i} + {i * i}  # {'#' * i}\n")
+    (src / "dup.py").write_text((src / "m3.py").read_text())
+    monkeypatch.setattr(corpus, "python_roots", lambda: [str(src)])
+    flags = ["train", "--preset", "tiny", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
+             "--seq-len", "32", "--recipes", "bf16", "--device", "cpu", "--data", "python-all", "--val-every-file", "4",
+             "--data-cache", str(tmp_path / "cache")]
+    assert main([*flags, "--out", str(tmp_path / "a")]) == 0
+    log = capsys.readouterr().out
+    data = json.loads((tmp_path / "a" / "metrics.json").read_text())["data"]
+    assert data["source"] == "python-all" and data["files"]["train"] + data["files"]["val"] == 40
+    assert data["duplicates"] == 1 and not data["from_cache"]
+    assert data["epochs_per_recipe"] == pytest.approx(2 * 8 * 32 / data["bytes"]["train"])
+    assert (f"data: python-all: {data['files']['train']} train / {data['files']['val']} val files" in log
+            and "1 duplicate files skipped" in log and "epochs of the train split" in log and "steps: eager" in log)
+    assert main([*flags, "--out", str(tmp_path / "b")]) == 0
+    assert "from the cache" in capsys.readouterr().out
+    again = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert again["data"]["from_cache"] and again["data"]["bytes"] == data["bytes"]
