@@ -65,10 +65,10 @@ def test_kernels_match_reference_in_interpreter():
 
 
 def test_reference_special_bytes():
-    b = torch.tensor([[0, 1, 127, 255]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    v = S.e8m0_to_f32(b)
-    assert v[0, 0].item() == 2.0 ** -127 and v[0, 1].item() == 2.0 ** -126 and v[0, 2].item() == 1.0
-    assert torch.isnan(v[0, 3])
+    b = torch.tensor([[0], [1], [127], [255]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    v = S.sm90_scale_layout_reference(b)[0]  # [1, 4]: the four values, transposed
+    assert v[0].item() == 2.0 ** -127 and v[1].item() == 2.0 ** -126 and v[2].item() == 1.0
+    assert torch.isnan(v[3]) and v.view(torch.int32)[3].item() == 0x7FC00000
 
 
 def test_bad_dtypes():

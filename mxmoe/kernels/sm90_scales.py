@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.backend import interpreting
+from mxmoe.formats import e8m0_to_float
 from mxmoe.layouts import padded_groups, padded_rows
 
 try:  # Triton is optional: `import mxmoe` must work without it.
@@ -32,8 +33,6 @@ except Exception:  # pragma: no cover - depends on the installed triton
 
 __all__ = ["sm90_scale_layout", "sm90_scale_layout_reference", "sm90_grouped_scale_layout", "sm90_m_grouped_scales"]
 
-F32_NAN_BITS = 0x7FC00000
-F32_TWO_POW_M127_BITS = 0x00400000  # 2^-127, the E8M0 byte 0x00 (an FP32 subnormal)
 ALIGN = 4  # columns: a group's first scale starts 16 bytes into an FP32 row
 MAX_GROUPS_ONE_BLOCK = 1024  # sm90_m_grouped_scales keeps every group's offset in registers up to here
 
@@ -42,18 +41,9 @@ MAX_GROUPS_ONE_BLOCK = 1024  # sm90_m_grouped_scales keeps every group's offset 
 # Pure-torch definitions
 # ----------------------------------------------------------------------------------------------
 
-def e8m0_to_f32(scale: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes -> FP32 ``2^(b-127)`` (0xFF -> NaN, 0x00 -> the subnormal 2^-127), same shape."""
-    b = scale.view(torch.uint8).to(torch.int32)
-    bits = b << 23
-    bits = torch.where(b == 0, torch.full_like(bits, F32_TWO_POW_M127_BITS), bits)
-    bits = torch.where(b == 0xFF, torch.full_like(bits, F32_NAN_BITS), bits)
-    return bits.view(torch.float32)
-
-
 def sm90_scale_layout_reference(scale: torch.Tensor, col_pad: int = ALIGN) -> torch.Tensor:
     """Pure-torch :func:`sm90_scale_layout` (same arguments, same bytes)."""
-    vals = e8m0_to_f32(scale).transpose(-2, -1)  # [..., C, R]
+    vals = e8m0_to_float(scale).transpose(-2, -1)  # [..., C, R]
     r = vals.shape[-1]
     r_pad = -(-r // col_pad) * col_pad
     out = torch.zeros(*vals.shape[:-1], r_pad, dtype=torch.float32, device=scale.device)
@@ -85,7 +75,7 @@ def sm90_grouped_scale_layout(scale: torch.Tensor, offs: torch.Tensor, align: in
     i = cols - starts[gc]
     valid = (g < E) & (i < counts[gc])
     src = (offs64[gc] - counts[gc] + i).clamp(0, max(M - 1, 0))
-    vals = e8m0_to_f32(scale).T  # [K/32, M]
+    vals = e8m0_to_float(scale).T  # [K/32, M]
     out = torch.where(valid, vals.index_select(1, src), torch.zeros((), device=scale.device))
     return out, starts.to(torch.int32)
 
@@ -104,7 +94,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _e8m0_value(b):
-        """E8M0 byte (int32) -> FP32 2^(b-127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
+        """E8M0 byte (int32) -> FP32 2^(b-127) (formats.e8m0_to_float's bits): 0 -> 2^-127 (the subnormal
+        0x00400000), 255 -> NaN (0x7FC00000)."""
         bits = b << 23
         bits = tl.where(b == 0, 0x00400000, bits)
         bits = tl.where(b == 255, 0x7FC00000, bits)
