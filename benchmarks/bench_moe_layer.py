@@ -6,7 +6,9 @@ per-expert PyTorch loop, on the DESIGN §5 shapes at 16384 tokens per step, same
 Per row: median fwd+bwd ms (CUDA events over `--iters` steps after warm-up), peak memory of the
 step, memory held for backward (allocated after forward minus before), and, from one profiled
 step, the share of GPU kernel time spent in quantization kernels and a per-stage breakdown by
-kernel name (gemm / quantize / other).
+kernel name (gemm / quantize / other). ``--compile cudagraphs`` (or ``inductor``) times the layer under
+``torch.compile(fullgraph=True)``: eager steps of small layers are timed by the host's launch work
+(benchmarks/NOTES_moe_layer.md, session 13); not yet run on the GPU as of 2026-12-02.
 dsv3-ep32 has 8 local experts of 256 with top-8 globally; per GPU that is ~2 routed rows per token
 (M = 32768 for 16384 tokens), so the local layer is run with top_k = 2 of 8.
 """
@@ -102,7 +104,7 @@ def kernel_breakdown(fn) -> dict:
     return shares
 
 
-def run_case(name, recipe, skew, tokens, iters, dev):
+def run_case(name, recipe, skew, tokens, iters, dev, compile_backend=""):
     E, D, Fd, k = SHAPES[name]
     torch.manual_seed(0)
     x = torch.randn(tokens, D, device=dev, dtype=torch.bfloat16)
@@ -110,10 +112,14 @@ def run_case(name, recipe, skew, tokens, iters, dev):
         moe = mxmoe.MoE(D, Fd, E, k, recipe="bf16" if recipe == "loop" else recipe)
     skew_router(moe, x, skew)
     layer = LoopMoE(moe) if recipe == "loop" else moe
+    if compile_backend and recipe != "loop":
+        layer = torch.compile(moe, backend=compile_backend, fullgraph=True)
     xg = x.clone().requires_grad_()
     dy = torch.randn_like(x)
 
     def step():  # one training step's layer work: gradients start empty, as after zero_grad()
+        if compile_backend == "cudagraphs":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are dead
         moe.zero_grad(set_to_none=True)
         xg.grad = None
         y = layer(xg)
@@ -126,6 +132,8 @@ def run_case(name, recipe, skew, tokens, iters, dev):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    if compile_backend == "cudagraphs":
+        torch.compiler.cudagraph_mark_step_begin()
     y = layer(xg)
     held = torch.cuda.memory_allocated() - base
     y.backward(dy)
@@ -149,6 +157,10 @@ def main():
     ap.add_argument("--routes", default=os.environ.get("MXMOE_SM90_GEMM", "auto"),
                     help="Hopper routes of the MX recipes (MXMOE_SM90_GEMM values, comma-separated), each "
                          "timed in the same run: auto, bf16 (expansion), gluon, mixed")
+    ap.add_argument("--compile", default="", choices=["", "inductor", "cudagraphs"],
+                    help="time the layer under torch.compile(fullgraph=True) with this backend (cudagraphs: the "
+                         "step's kernels replayed from CUDA graphs, no host launch work, as `mxmoe train` runs "
+                         "on CUDA); default eager")
     args = ap.parse_args()
     dev = "cuda"
     rows = []
@@ -156,6 +168,7 @@ def main():
             "torch": torch.__version__, "python": platform.python_version(), "tokens": args.tokens,
             "timing": f"median of {args.iters} fwd+bwd steps (CUDA events) after 3 warm-up steps; "
                       "parameter gradients set to None before each step (no accumulation)",
+            "compile": args.compile or "eager",
             "env": {k: v for k, v in os.environ.items() if k.startswith("MXMOE_") and k != "MXMOE_SM90_GEMM"}}
     try:
         import triton
@@ -169,7 +182,7 @@ def main():
             for r in args.recipes.split(","):
                 for route in (["auto"] if r in ("bf16", "loop") else routes):  # bf16, loop: no MX products
                     os.environ["MXMOE_SM90_GEMM"] = route
-                    res[r, route] = run_case(name, r, bal == "skewed", args.tokens, args.iters, dev)
+                    res[r, route] = run_case(name, r, bal == "skewed", args.tokens, args.iters, dev, args.compile)
             bf16, loop = res.get(("bf16", "auto"), {}), res.get(("loop", "auto"), {})
             for (r, route), v in res.items():
                 if r in ("bf16", "loop"):
