@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"--out {cfg.out!r} cannot be created: {e.strerror}") from None
         except ValueError as e:  # a bad flag combination: a usage error (exit 2), not a traceback
             parser.subcommands["train"].error(str(e))
-        run(cfg)
+        from mxmoe.train import RunInputError
+
+        try:
+            run(cfg)
+        except RunInputError as e:  # the run's data, checkpoints or saved settings: a usage error too
+            parser.subcommands["train"].error(str(e))
     elif command == "sample":
         from mxmoe.train import sample
 

@@ -119,6 +119,9 @@ class TrainConfig:
     eval_batches: int = 8  # batches per validation pass, per rank (the same batches every time)
 
     def __post_init__(self):
+        for name in ("dim", "heads", "ffn_dim", "experts", "layers"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
         if not 1 <= self.top_k <= self.experts:
@@ -218,6 +221,11 @@ def make_config(preset: str = "default", **overrides) -> TrainConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     return TrainConfig(**{**PRESETS[preset], **overrides})
+
+
+class RunInputError(ValueError):
+    """A problem with a run's inputs (its data, checkpoints or saved settings), not with the code: the
+    ``mxmoe train`` command reports it as a usage error, one line, no traceback."""
 
 
 # ----------------------------------------------------------------------------- data
@@ -533,14 +541,19 @@ def load_training_state(path: str | os.PathLike, device: str | torch.device = "c
     unpickled), tensors on ``device`` (generator states stay on the CPU).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: not a ``mxmoe train`` training state.
+        FileNotFoundError: no such file. RunInputError (a ValueError): a damaged file, or not a
+            ``mxmoe train`` training state.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no training state at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load raises several kinds for a damaged file
+        raise RunInputError(f"{path} cannot be read as a training state ({type(e).__name__}: {str(e)[:120]}): "
+                            "the file is damaged or incomplete; delete it to train that recipe from the start") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a mxmoe train checkpoint (format {CHECKPOINT_FORMAT})")
+        raise RunInputError(f"{path} is not a mxmoe train checkpoint (format {CHECKPOINT_FORMAT})")
     if "model" in state:
         state["model"] = {k: v.to(device) for k, v in state["model"].items()}
     return state
@@ -560,7 +573,12 @@ def load_run_config(folder: str | os.PathLike) -> TrainConfig:
     if not path.is_file():
         raise ValueError(f"--resume {str(folder)!r}: no run_config.json there (it is written by a run with "
                          "--checkpoint-every N > 0 into its --out folder)")
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunInputError(f"--resume: {path} is not valid JSON ({e}); it is written by mxmoe train") from None
+    if not isinstance(saved, dict):
+        raise RunInputError(f"--resume: {path} does not hold a run's settings (a JSON object)")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{**{k: v for k, v in saved.items() if k in known}, "out": str(folder), "resume": str(folder)})
 
@@ -595,8 +613,12 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type for a file that is not one
+        raise ValueError(f"{path} is not a safetensors model file ({str(e)[:100]}): give a "
+                         "model_<recipe>.safetensors written by mxmoe train") from None
     if "config" not in meta or "recipe" not in meta:
         raise ValueError(f"{path} has no mxmoe train metadata (config, recipe): not written by mxmoe train")
     saved = json.loads(meta["config"])
@@ -659,6 +681,8 @@ def sample(ckpt: str | os.PathLike, prompt: str = "\n", tokens: int = 200, tempe
     Returns the prompt followed by the sample, decoded as UTF-8 (a byte sequence that is not valid
     UTF-8 shows as U+FFFD). Raises as :func:`load_checkpoint` and :func:`generate`.
     """
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     model, _, _ = load_checkpoint(ckpt, device, recipe)
     data = prompt.encode()
     return (data + generate(model, data, tokens, temperature, top_k, seed)).decode("utf-8", errors="replace")
@@ -1000,7 +1024,8 @@ def run(cfg: TrainConfig) -> dict:
     Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
 
     Raises:
-        ValueError: ``cfg.resume`` with a state of other settings than ``cfg``'s.
+        RunInputError (a ValueError): ``cfg.resume`` with a damaged state or one of other settings than
+            ``cfg``'s; data that cannot feed the run (too few files, a split shorter than a window).
     """
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ep, device = init_expert_parallel(cfg, device)
@@ -1014,15 +1039,25 @@ def run(cfg: TrainConfig) -> dict:
             if (out / f"checkpoint_{recipe}.pt").is_file():
                 states[recipe] = load_training_state(out / f"checkpoint_{recipe}.pt", device)
                 if not _same_run(json.loads(states[recipe]["config"]), config):
-                    raise ValueError(f"{out / f'checkpoint_{recipe}.pt'} was written by a run of other settings")
+                    theirs = json.loads(states[recipe]["config"])
+                    differ = sorted(k for k in config if k not in ("out", "resume") and theirs.get(k) != config[k])
+                    raise RunInputError(f"{out / f'checkpoint_{recipe}.pt'} was written by a run of other settings "
+                                        f"than {out / 'run_config.json'} (differ: {', '.join(differ) or 'unknown'})")
     if main_rank:
         out.mkdir(parents=True, exist_ok=True)
         if cfg.checkpoint_every and not cfg.resume:
             _write_json_atomic(out / "run_config.json", config)
             for recipe in recipes:  # a fresh run: an earlier run's states in this folder are not this run's
                 (out / f"checkpoint_{recipe}.pt").unlink(missing_ok=True)
-    corpus = load_corpus(cfg.data, device.type, cfg.val_every_file, cfg.data_cache)
+    try:
+        corpus = load_corpus(cfg.data, device.type, cfg.val_every_file, cfg.data_cache)
+    except ValueError as e:
+        raise RunInputError(f"--data {cfg.data!r}: {e} (one file in --val-every-file goes to validation)") from None
     train_data, val_data = corpus.train, corpus.val
+    for split, d in (("train", train_data), ("validation", val_data)):
+        if len(d) <= cfg.seq_len + 1:
+            raise RunInputError(f"--data {cfg.data!r}: the {split} split has {len(d):,} bytes, fewer than a window of "
+                                f"--seq-len {cfg.seq_len} + 2: give more data or a shorter --seq-len")
     torch.manual_seed(cfg.seed)
     init_model = MoELM(cfg, recipes[0])
     init_state = {k: v.detach().clone() for k, v in init_model.state_dict().items()}

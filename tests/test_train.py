@@ -464,3 +464,26 @@ def test_python_all_corpus_in_a_run(tmp_path, monkeypatch, capsys):
     assert "from the cache" in capsys.readouterr().out
     again = json.loads((tmp_path / "b" / "metrics.json").read_text())
     assert again["data"]["from_cache"] and again["data"]["bytes"] == data["bytes"]
+
+
+def test_run_input_errors_name_the_file(tmp_path):
+    """Damaged checkpoints, bad run_config.json and data too short for a window: RunInputError (the CLI's
+    one-line usage error) naming the file or flag, never a traceback from torch or json."""
+    from mxmoe.train import RunInputError, load_run_config, load_training_state, make_config, run
+
+    bad = tmp_path / "checkpoint_bf16.pt"
+    bad.write_bytes(b"\x00" * 100)
+    with pytest.raises(RunInputError, match="checkpoint_bf16.pt cannot be read"):
+        load_training_state(bad)
+    (tmp_path / "run_config.json").write_text('{"out": ')
+    with pytest.raises(RunInputError, match="run_config.json is not valid JSON"):
+        load_run_config(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        (data / f"f{i}.py").write_text(f"x = {i}\n")
+    cfg = make_config("tiny", data=str(data), val_every_file=2, out=str(tmp_path / "out"), recipes="bf16")
+    with pytest.raises(RunInputError, match="train split has .* bytes"):
+        run(cfg)
+    with pytest.raises(ValueError, match="heads must be a positive int"):
+        make_config("tiny", heads=0)

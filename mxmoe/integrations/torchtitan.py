@@ -69,7 +69,7 @@ try:
         LocalTokenDispatcher,
     )
 except ImportError as e:  # torchtitan absent, or a release without these seams
-    raise ImportError(f"mxmoe.integrations.torchtitan needs torchtitan {'0.3.0'} (pip install 'mxmoe[torchtitan]'); "
+    raise ImportError(f"mxmoe.integrations.torchtitan needs torchtitan {'0.3.0'} (from a clone: pip install -e '.[torchtitan]'); "
                       f"importing it failed: {e}") from e
 
 from mxmoe.moe import _prequantized, permute_plan
