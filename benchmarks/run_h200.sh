@@ -5,11 +5,7 @@
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/run_h200.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
-step() { local t=$1; shift; echo "=== $* (limit ${t}s)" >>"$LOG"; local s=$SECONDS
-         timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$? in $((SECONDS - s))s" >>"$LOG"; }
+. "$(dirname "$0")/h200_steps.sh"
 python3 -m mxmoe info >>"$LOG" 2>&1
 PYT="python3 -m pytest -q -m gpu -p no:cacheprovider"
 step 300 $PYT -k "not torch_compile" tests/test_qdq_kernels.py tests/test_cuda_paths.py tests/test_quantize_kernels.py tests/test_torch_ops.py tests/test_moe.py tests/test_dequantize_kernel.py tests/test_layer_kernels.py tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py tests/test_train.py tests/test_sm90_scales.py

@@ -4,11 +4,7 @@
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/run_h200_bench.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"; LOG=$OUT/log_bench.txt
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
-step() { local t=$1; shift; echo "=== $* (limit ${t}s)" >>"$LOG"; local s=$SECONDS
-         timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$? in $((SECONDS - s))s" >>"$LOG"; }
+LOG_NAME=log_bench.txt . "$(dirname "$0")/h200_steps.sh"
 step 170 python3 benchmarks/bench_moe_layer.py --iters 5 --out "$OUT/moe_layer.json"  # ~110-150 s with mxfp8_lowmem
 MXMOE_LAYER_KERNELS=0 step 50 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8,bf16 \
     --balance balanced --out "$OUT/moe_layer_no_layer_kernels.json"

@@ -6,11 +6,7 @@
 # Usage (repo root, on the GPU machine): OUT=/some/dir OLD=old_tree bash benchmarks/run_h200_s13.sh
 set -u
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
-step() { local t=$1; shift; echo "=== $* (limit ${t}s)" >>"$LOG"; local s=$SECONDS
-         timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$? in $((SECONDS - s))s" >>"$LOG"; }
+. "$(dirname "$0")/h200_steps.sh"
 if [ -n "${OLD:-}" ]; then
   PYTHONPATH=. step 90 python3 benchmarks/check_same_outputs.py --out "$OUT/hashes_new.json"
   PYTHONPATH=$OLD step 90 python3 benchmarks/check_same_outputs.py --out "$OUT/hashes_old.json"

@@ -6,11 +6,7 @@
 # Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/run_h200_s13c.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"; LOG=$OUT/log.txt
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >>"$LOG" 2>&1
-step() { local t=$1; shift; echo "=== $* (limit ${t}s)" >>"$LOG"; local s=$SECONDS
-         timeout "$t" "$@" >>"$LOG" 2>&1; echo "=== rc=$? in $((SECONDS - s))s" >>"$LOG"; }
+. "$(dirname "$0")/h200_steps.sh"
 PYT="python3 -m pytest -q -m gpu -p no:cacheprovider -x"
 step 100 $PYT tests/test_grouped_gemm_sm90_128.py tests/test_grouped_gemm_sm90.py -k "m_grouped_matches_fp64 or k_grouped_matches_fp64"
 step 90 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8_128,mxfp8,bf16 --balance balanced,skewed \
