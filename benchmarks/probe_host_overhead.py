@@ -111,7 +111,6 @@ def main():
                 moe(xg).backward(dy)
 
             step()
-            shares = L.kernel_breakdown(step)
             r = {"kind": "layer_fwd_bwd", "shape": shape, "recipe": recipe, "host_ms": host_ms(step, 10),
                  "event_ms": L.step_time(step, 5)}
             print(r, flush=True)
