@@ -8,7 +8,7 @@
 #        /tmp/train_gpu_<recipe>_seed<N>; RESUME=1 continues a killed run there (a warm machine only: a
 #        fresh one has no /tmp of the last call). Compare the seeds and recipes afterwards (CPU is fine):
 #        python benchmarks/compare_train_runs.py benchmarks/results/h200/train_gpu_*_seed*.json
-# RECIPES=... (throughput) picks recipes; FLAGS="--steps 50" adds flags (a smoke test).
+# RECIPES=... (throughput) picks recipes; LIMIT=s caps the run (default 540); FLAGS="--steps 50" adds flags (a smoke test).
 # Usage (repo root, on the GPU machine): OUT=/some/dir MODE=gpu RECIPE=mxfp8 SEED=1 bash benchmarks/run_h200_train.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -27,7 +27,7 @@ LOG=$OUT/${NAME}_log.txt
 if [ "${RESUME:-0}" = 1 ]; then CMD="python3 -m mxmoe train --resume $DIR"
 else rm -rf "$DIR"; CMD="python3 -m mxmoe train $ARGS --device cuda --out $DIR $FLAGS"; fi
 echo "=== $CMD" >>"$LOG"; s=$SECONDS
-timeout 540 $CMD 2>&1 | tr '\r' '\n' | grep -v "it/s" >>"$LOG"
+timeout ${LIMIT:-540} $CMD 2>&1 | tr '\r' '\n' | grep -v "it/s" >>"$LOG"
 echo "=== rc=${PIPESTATUS[0]} in $((SECONDS - s)) s" >>"$LOG"
 if [ -f "$DIR/metrics.json" ]; then
   cp "$DIR/loss.png" "$OUT/${NAME}_loss.png"

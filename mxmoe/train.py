@@ -203,10 +203,10 @@ PRESETS = {
                  steps=40, warmup=5, eval_every=20, eval_batches=2),
     "default": dict(eval_every=25),
     # convergence, one recipe and seed per call: 171M parameters (SwiGLU experts: 3 * dim * ffn_dim
-    # each), 53M active per token, ~0.38 GFLOP per token (see MFU above). 2000 steps of 32768 tokens =
-    # 66M tokens: 0.2-0.3 epochs of a python-all corpus of 200-300 MB (the old 110M preset on the 10 MB
-    # stdlib memorized at 4.8 epochs). 12.4 TFLOP per step: ~4 min at 20% MFU, estimated, not timed
-    "gpu": dict(dim=640, layers=8, heads=10, experts=8, top_k=2, ffn_dim=1280, seq_len=1024, batch_size=32,
+    # each), 53M active per token, ~0.38 GFLOP per token (see MFU above). 2000 steps of 16384 tokens =
+    # 33M tokens: ~0.1-0.15 epochs of a python-all corpus of 200-300 MB (the old 110M preset on the 10 MB
+    # stdlib memorized at 4.8 epochs). 6.2 TFLOP per step: ~1 min of steps at 20% MFU, ~2 min at 10%
+    "gpu": dict(dim=640, layers=8, heads=10, experts=8, top_k=2, ffn_dim=1280, seq_len=1024, batch_size=16,
                 steps=2000, lr=6e-4, warmup=200, eval_every=100, eval_batches=16, checkpoint_every=500),
     # tokens/s and MFU: experts' products ~75% of the step's FLOPs. 439M parameters, 137M active per
     # token, ~0.86 GFLOP per token, 14.1 TFLOP per step of 16384 tokens; evaluated at the ends only

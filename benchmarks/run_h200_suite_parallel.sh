@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call (~7-8 min on an H200): every single-GPU test file in its own pytest process, six at a
+# time (the files mostly wait on Triton / Gluon compiles, which use the CPUs), the main job's tiny preset;
+# then, alone on the GPU, the MoE layer (eager balanced and skewed, then under torch.compile's cudagraphs
+# backend) and the mx128 GEMM on the small-product shapes timed from CUDA-graph replays.
+# Each test file's output: $OUT/pytest_<file>.txt; the summary lines go to $OUT/log.txt. BENCH=0: tests only.
+# Usage (repo root, on the GPU machine): OUT=/some/dir bash benchmarks/run_h200_suite_parallel.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0
+. "$(dirname "$0")/h200_steps.sh"
+python3 -m mxmoe info >>"$LOG" 2>&1
+FILES="tests/test_grouped_gemm_sm90.py tests/test_grouped_gemm_sm90_128.py tests/test_moe.py tests/test_layer_kernels.py
+ tests/test_quantize_kernels.py tests/test_qdq_kernels.py tests/test_cuda_paths.py tests/test_torch_ops.py
+ tests/test_dequantize_kernel.py tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py
+ tests/test_train.py tests/test_sm90_scales.py"
+s=$SECONDS
+echo "=== test files, 6 processes at a time (limit 330s each)" >>"$LOG"
+printf '%s\n' $FILES | xargs -P 6 -I{} sh -c 'f={}; n=$(basename $f .py); \
+  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider $f >"$0/pytest_$n.txt" 2>&1; \
+  echo "$n rc=$? $(grep -E "[0-9]+ (passed|failed)" "$0/pytest_$n.txt" | tail -1)" >>"$0/log.txt"' "$OUT"
+echo "=== test files done in $((SECONDS - s))s" >>"$LOG"
+grep -h -B2 -A25 "^FAILED\|^ERROR\|= FAILURES =" "$OUT"/pytest_*.txt | head -c 6000 >>"$LOG"
+step 50 python3 -m mxmoe train --preset tiny --device cuda --out /tmp/mxmoe_tiny
+[ "${BENCH:-1}" = 1 ] || exit 0
+step 100 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8_128,mxfp8,bf16 --balance balanced,skewed \
+    --out "$OUT/moe_layer_128.json"
+step 130 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8_128,mxfp8,bf16 --balance balanced \
+    --compile cudagraphs --out "$OUT/moe_layer_128_cudagraphs.json"
+step 70 python3 benchmarks/bench_grouped_gemm_128.py --quick --cudagraph --shapes qwen3-30b-a3b,dsv3-ep32 \
+    --balances balanced --out "$OUT/grouped_gemm_128_cudagraph.json"
+grep -v "it/s" "$LOG" | grep -v "^E  \|^ \|^$" | tail -c 9000
