@@ -204,14 +204,20 @@ class MoE(nn.Module):
                               backend=be)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[..., D]`` (e.g. ``[batch, seq, D]`` or ``[T, D]``), any float dtype -> same shape and dtype.
+        """x: ``[..., T, D]``, at least 2-D (e.g. ``[batch, seq, D]`` or ``[T, D]``; one token is
+        ``[1, D]``), any float dtype -> same shape and dtype.
 
         Under autocast (e.g. BF16 on CUDA) the experts run on activations in the autocast dtype, as
         autocast's own linear layers would; the router sees x itself (FP32 products); the output is
         cast back to x's dtype.
+
+        Raises:
+            ValueError: x with fewer than 2 dims (a 1-D x of D values is ambiguous: one token, or D
+                tokens of a wrong width) or a last dim other than D. TypeError: a non-float x.
         """
-        if x.dim() == 0 or x.shape[-1] != self.dim:
-            raise ValueError(f"MoE expects last dim {self.dim}, got input of shape {tuple(x.shape)}")
+        if x.dim() < 2 or x.shape[-1] != self.dim:
+            raise ValueError(f"MoE expects x of shape [..., T, {self.dim}] (at least 2-D, last dim {self.dim}), "
+                             f"got input of shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"MoE expects a floating-point input, got {x.dtype}")
         shape = x.shape

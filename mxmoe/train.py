@@ -57,6 +57,7 @@ loaded by :func:`load_checkpoint` and sampled by :func:`sample` / ``mxmoe sample
 """
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -106,12 +107,12 @@ class TrainConfig:
     experts: int = 8  # experts per MoE layer (a multiple of the torchrun processes)
     top_k: int = 2  # experts each token is routed to
     ffn_dim: int = 256  # hidden width of one expert (a multiple of the recipe's scale groups, as dim)
-    aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss
+    aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss (>= 0)
     # optimization
     steps: int = 300  # optimizer steps per recipe
     lr: float = 3e-3  # peak AdamW learning rate
     min_lr_frac: float = 0.1  # cosine decay ends at lr * min_lr_frac
-    warmup: int = 30  # linear warmup steps
+    warmup: int = 30  # linear warmup steps, at most steps (a preset's is cut to --steps)
     weight_decay: float = 0.1  # AdamW decay on matrices and embeddings (not norms)
     grad_clip: float = 1.0  # clip the global gradient norm to this
     # evaluation
@@ -119,15 +120,19 @@ class TrainConfig:
     eval_batches: int = 8  # batches per validation pass, per rank (the same batches every time)
 
     def __post_init__(self):
-        for name in ("dim", "heads", "ffn_dim", "experts", "layers"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name in ("dim", "heads", "ffn_dim", "experts", "layers", "steps", "eval_every", "eval_batches",
+                     "batch_size", "seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("warmup", "checkpoint_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an int, got {v!r}")
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, experts={self.experts}]")
-        if min(self.steps, self.eval_every, self.eval_batches, self.batch_size, self.seq_len, self.layers) < 1:
-            raise ValueError("steps, eval_every, eval_batches, batch_size, seq_len and layers must be >= 1")
         if self.val_every_file < 2:
             raise ValueError(f"val_every_file must be >= 2 (every file would be validation), got {self.val_every_file}")
         from mxmoe.recipes import get_recipe
@@ -143,11 +148,14 @@ class TrainConfig:
                              "under torchrun (expert parallelism)")
         for name in names:
             get_recipe(name).check_dims(self.dim, self.ffn_dim)  # unknown names and bad dims fail before training
-        if not (self.lr > 0 and 0 <= self.min_lr_frac <= 1 and self.weight_decay >= 0 and self.grad_clip > 0
-                and self.warmup >= 0):
-            raise ValueError(f"need lr > 0 (got {self.lr}), 0 <= min_lr_frac <= 1 ({self.min_lr_frac}), "
-                             f"weight_decay >= 0 ({self.weight_decay}), grad_clip > 0 ({self.grad_clip}), "
-                             f"warmup >= 0 ({self.warmup})")
+        if not (0 < self.lr < math.inf and 0 <= self.min_lr_frac <= 1 and 0 <= self.weight_decay < math.inf
+                and self.grad_clip > 0 and 0 <= self.aux_loss_coef < math.inf):  # NaN fails every comparison
+            raise ValueError(f"need a finite lr > 0 (got {self.lr}), 0 <= min_lr_frac <= 1 ({self.min_lr_frac}), "
+                             f"a finite weight_decay >= 0 ({self.weight_decay}), grad_clip > 0 ({self.grad_clip}), "
+                             f"a finite aux_loss_coef >= 0 ({self.aux_loss_coef})")
+        if not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"warmup must be in [0, steps={self.steps}] (linear warmup steps, then cosine decay), "
+                             f"got {self.warmup}")
         if self.device and self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device} asked for, but torch sees no CUDA GPU here")
         if self.compile not in ("auto", "", "none"):
@@ -217,10 +225,14 @@ PRESETS = {
 
 def make_config(preset: str = "default", **overrides) -> TrainConfig:
     """A ``TrainConfig`` from a named preset (``tiny``, ``default``, ``gpu``, ``gpu-throughput``) plus
-    field overrides."""
+    field overrides. A preset's warmup longer than an overridden ``steps`` is cut to ``steps`` (e.g.
+    ``--preset tiny --steps 2``); a ``warmup`` override longer than ``steps`` raises ValueError."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    return TrainConfig(**{**PRESETS[preset], **overrides})
+    fields = {**PRESETS[preset], **overrides}
+    if "warmup" not in overrides and isinstance(fields.get("steps"), int):
+        fields["warmup"] = min(fields.get("warmup", TrainConfig.warmup), fields["steps"])
+    return TrainConfig(**fields)
 
 
 class RunInputError(ValueError):
@@ -409,6 +421,17 @@ def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.d
     return mean_over_ranks(torch.stack(losses).mean(), ep).item()
 
 
+def _warm_up_process(device: torch.device) -> None:
+    """Pay a process's one-off costs that would otherwise land in the first recipe's ``wall_s``: the
+    import of ``torch._dynamo`` (seconds; the first optimizer or torch.compile triggers it) and, on CUDA,
+    the context's creation."""
+    importlib.import_module("torch._dynamo")
+
+    if device.type == "cuda":
+        torch.zeros(1, device=device)
+        _sync(device)
+
+
 def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: torch.Tensor,
                  val_data: torch.Tensor, device: torch.device,
                  ep: ExpertParallel = SINGLE_PROCESS, resume: dict | None = None,
@@ -419,7 +442,9 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     10), ``val_step`` and ``val_loss`` (parallel lists; val at step s is measured after s
     updates), ``tokens_per_s`` and ``ms_per_step``
     (training steps only, first steps excluded as warm-up), ``peak_mem_gib`` (CUDA, else None),
-    ``wall_s`` (everything, evaluation included), ``compile`` (the backend the steps ran under, "" eager).
+    ``wall_s`` (this recipe's time in this function: model build, steps, evaluations, checkpoint writes and
+    compilation; summed over a resumed run's parts; not data loading, process start-up or the one-off
+    imports of :func:`_warm_up_process`), ``compile`` (the backend the steps ran under, "" eager).
 
     Checkpoints: with ``ckpt_path`` and ``cfg.checkpoint_every > 0``, after every ``checkpoint_every``
     updates short of the last, :func:`save_training_state` writes the state there; ``resume`` (such a
@@ -430,6 +455,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     from seed ``cfg.seed + r``, losses are means over the ranks, tokens/s counts all ranks' tokens
     and the times are this rank's. Collective: every rank must call it with the same arguments.
     """
+    _warm_up_process(device)  # once per process: outside every recipe's wall_s, the first's too
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = MoELM(cfg, recipe)
@@ -601,7 +627,9 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
     """A model written by ``mxmoe train`` (``model_<recipe>.safetensors``), in eval mode on ``device``.
 
     The file's metadata holds the run's config and recipe; ``recipe`` overrides the latter (e.g. run
-    a bf16-trained model's experts in MXFP8). Returns ``(model, config, recipe)``.
+    a bf16-trained model's experts in MXFP8). Returns ``(model, config, recipe)``; in the config of a
+    file written before those checks, a warmup longer than the steps is cut to them and a negative
+    aux_loss_coef is 0.
 
     Raises:
         FileNotFoundError: no such file. ValueError: a safetensors file without ``mxmoe train``'s
@@ -623,7 +651,13 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
         raise ValueError(f"{path} has no mxmoe train metadata (config, recipe): not written by mxmoe train")
     saved = json.loads(meta["config"])
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    fields = {k: v for k, v in saved.items() if k in known}
+    # files of runs from before warmup <= steps and aux_loss_coef >= 0 were checked: training settings, not the model's
+    if isinstance(fields.get("warmup"), int) and isinstance(fields.get("steps"), int):
+        fields["warmup"] = min(fields["warmup"], fields["steps"])
+    if isinstance(fields.get("aux_loss_coef"), (int, float)) and fields["aux_loss_coef"] < 0:
+        fields["aux_loss_coef"] = 0.0
+    cfg = TrainConfig(**fields)
     recipe = recipe or meta["recipe"]
     model = MoELM(cfg, recipe)
     try:
@@ -1103,8 +1137,8 @@ def run(cfg: TrainConfig) -> dict:
         metrics["recipes"][recipe] = m
         weights = full_state_dict(model, ep)  # every rank takes part; rank 0 writes
         if main_rank:
-            save_file(weights, out / f"model_{recipe}.safetensors",
-                      metadata={"recipe": recipe, "config": json.dumps(config)})
+            save_model(weights, out / f"model_{recipe}.safetensors",
+                       metadata={"recipe": recipe, "config": json.dumps(config)})
             if ckpt is not None:  # finished: the metrics alone (the weights are in the safetensors file)
                 save_training_state(ckpt, {"format": CHECKPOINT_FORMAT, "recipe": recipe, "done": True,
                                            "config": json.dumps(config), "metrics": m})
@@ -1126,6 +1160,21 @@ def run(cfg: TrainConfig) -> dict:
     if ep.group is not None:
         parallel.shutdown_distributed()
     return metrics
+
+
+def _umask_mode(path: Path) -> None:
+    """Give ``path`` the mode a plain ``open(path, "w")`` would: ``0o666`` less the umask (temp files,
+    safetensors' among them, are created ``0o600``)."""
+    umask = os.umask(0o022)  # reading the umask sets it: put it back at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def save_model(weights: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` (a temp file renamed over ``path``), with the permissions of a
+    plain file (``0o666`` less the umask) instead of the temp file's ``0o600``."""
+    save_file(weights, path, metadata=metadata)
+    _umask_mode(Path(path))
 
 
 def _write_json_atomic(path: Path, obj) -> None:

@@ -113,8 +113,16 @@ def test_bad_config():
     for bad in (dict(weight_block=16), dict(align=0), dict(compute_dtype="int8"), dict(scale_rule="up")):
         with pytest.raises(ValueError):
             mxmoe.Recipe("x", **bad)
-    with pytest.raises(ValueError, match="last dim"):
+    with pytest.raises(ValueError, match=r"expects x of shape \[..., T, 32\] .* got input of shape \(3, 16\)"):
         mxmoe.MoE(32, 64, 4, 2)(torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("shape", [(), (32,), (4,)])
+def test_input_needs_two_dims(shape):
+    """A 1-D x (one token or many? even of length D) or a scalar is an error naming the expected shape."""
+    with pytest.raises(ValueError, match=r"\[..., T, 32\] \(at least 2-D, last dim 32\)"):
+        mxmoe.MoE(32, 64, 4, 2, recipe="bf16")(torch.randn(shape))
+    assert mxmoe.MoE(32, 64, 4, 2, recipe="bf16")(torch.randn(1, 32)).shape == (1, 32)  # one token
 
 
 def test_zero_tokens():

@@ -184,10 +184,49 @@ def test_config_checks(monkeypatch):
         make_config("tiny", steps=0)
     with pytest.raises(ValueError):
         make_config("nope")
+    with pytest.raises(ValueError, match="eval_batches must be a positive int, got 1.5"):
+        make_config("tiny", eval_batches=1.5)
+    # a preset's warmup is cut to a shorter --steps; a warmup given longer than the steps is an error
+    assert make_config("tiny", steps=2).warmup == 2 and make_config("tiny", steps=40).warmup == 5
+    assert make_config("tiny", steps=2, warmup=2).warmup == 2
+    with pytest.raises(ValueError, match=r"warmup must be in \[0, steps=2\]"):
+        make_config("tiny", steps=2, warmup=3)
+
+
+def test_wall_time_leaves_out_process_one_offs():
+    """A recipe's wall_s starts after the process's one-off costs (torch._dynamo's import, seconds, that
+    the first optimizer triggers): the first recipe's wall time is not the process's start-up."""
+    script = """if True:
+        import sys, time, torch
+        from mxmoe import train
+        assert "torch._dynamo" not in sys.modules, "the check needs a process without torch._dynamo"
+        cfg = train.make_config("tiny", steps=1, eval_every=1, eval_batches=1, recipes="bf16", device="cpu")
+        data = torch.randint(0, 256, (2000,), dtype=torch.uint8)
+        init = train.MoELM(cfg, "bf16").state_dict()
+        seen, real = [], time.perf_counter
+        def perf_counter():
+            seen.append("torch._dynamo" in sys.modules)
+            return real()
+        time.perf_counter = perf_counter  # train_recipe's first call starts wall_s
+        train.train_recipe(cfg, "bf16", init, data, data, torch.device("cpu"))
+        print("dynamo imported when wall_s started:", seen[0])
+    """
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dynamo imported when wall_s started: True" in proc.stdout
 
 
 @pytest.mark.parametrize("flags,msg", [
-    (["--batch-size", "0"], "must be >= 1"),
+    (["--batch-size", "0"], "batch_size must be a positive int, got 0"),
+    (["--eval-batches", "0"], "eval_batches must be a positive int, got 0"),
+    (["--eval-batches", "-2"], "eval_batches must be a positive int, got -2"),
+    (["--steps", "40", "--warmup", "41"], "warmup must be in [0, steps=40]"),
+    (["--warmup", "-1"], "warmup must be in [0, steps=40]"),
+    (["--aux-loss-coef", "-0.01"], "a finite aux_loss_coef >= 0 (-0.01)"),
+    (["--aux-loss-coef", "nan"], "a finite aux_loss_coef >= 0 (nan)"),
+    (["--lr", "inf"], "need a finite lr > 0 (got inf)"),
+    (["--weight-decay", "inf"], "a finite weight_decay >= 0 (inf)"),
     (["--recipes", "bf16,,mxfp8"], "has an empty name"),
     (["--recipes", "bf16,mxfp8,"], "has an empty name"),
     (["--recipes", "bf16,bf16"], "names a recipe twice"),
@@ -200,7 +239,7 @@ def test_config_checks(monkeypatch):
     (["--compile", "nope"], "compile backend 'nope': use one of inductor, cudagraphs, aot_eager, eager"),
     (["--compile", "inductor", "--device", "cpu"], "cannot compile the MX recipes"),
     (["--compile", "cudagraphs", "--device", "cpu"], "needs --device cuda"),
-    (["--lr", "-1"], "need lr > 0 (got -1.0)"),
+    (["--lr", "-1"], "need a finite lr > 0 (got -1.0)"),
     (["--min-lr-frac", "2"], "0 <= min_lr_frac <= 1 (2.0)"),
     (["--dim", "96", "--ffn-dim", "72", "--recipes", "bf16,mxfp8"], "the mxfp8 recipe needs dim and ffn_dim divisible by 32 (MXFP8 scale groups), got 96 and 72"),
     (["--dim", "100", "--heads", "4", "--recipes", "fp32,bf16"], "the bf16 recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), got 100 and"),
@@ -223,6 +262,36 @@ def test_cli_rejects_an_output_folder_it_cannot_create(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["train", "--preset", "tiny", "--out", str(blocker / "o")])
     assert e.value.code == 2 and "cannot be created" in capsys.readouterr().err
+
+
+def test_output_files_honor_the_umask(run_dir, tmp_path):
+    """Model files get a plain file's mode (0o666 less the umask), not the 0o600 of safetensors' temp file."""
+    from mxmoe.train import save_model
+
+    umask = os.umask(0o027)
+    os.umask(umask)
+    for name in ("model_bf16.safetensors", "model_mxfp8.safetensors", "metrics.json"):
+        assert (run_dir / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    old = os.umask(0o027)
+    try:
+        save_model({"w": torch.ones(2)}, tmp_path / "m.safetensors", metadata={"recipe": "bf16"})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o640
+
+
+def test_older_model_files_load(run_dir, tmp_path):
+    """A model file of a run from before the warmup <= steps and aux_loss_coef >= 0 checks still loads."""
+    from safetensors.torch import load_file
+
+    from mxmoe.train import load_checkpoint, save_model
+
+    config = {**json.loads((run_dir / "metrics.json").read_text())["config"], "steps": 2, "warmup": 5,
+              "aux_loss_coef": -0.01}
+    save_model(load_file(run_dir / "model_bf16.safetensors"), tmp_path / "old.safetensors",
+               metadata={"recipe": "bf16", "config": json.dumps(config)})
+    _, cfg, recipe = load_checkpoint(tmp_path / "old.safetensors")
+    assert (cfg.steps, cfg.warmup, cfg.aux_loss_coef, recipe) == (2, 2, 0.0, "bf16")
 
 
 def test_checkpoint_load_and_sample(run_dir, capsys):
