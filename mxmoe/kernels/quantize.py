@@ -13,6 +13,7 @@ e.g. expert weights ``[E, N, K]``; any strides, fastest when the last dim is con
                             data bytes (docs/DESIGN.md §2: 2D weight blocks)
 ``quantize_grouped_rowwise``  grouped rows with int32 end offsets: rowwise data + scales
                             written straight into the per-group 128-row-aligned blocked layout
+                            (and row-major beside it): the sm_100 products' activations
 ==========================  ===============================================================
 
 The Hopper-fast recipe's forms (docs/DESIGN.md §9, ``mxfp8_128``): ``quantize_rowwise_128``,
@@ -40,7 +41,7 @@ their QDQ forms), :mod:`mxmoe.kernels.quantize_gluon` (``_use_gluon`` says when;
 ``_GLUON_TILES`` below.
 
 Wrap results as :class:`~mxmoe.formats.MXTensor` with :func:`rowwise_mxtensor` /
-:func:`columnwise_mxtensor` (row-major scales only).
+:func:`columnwise_mxtensor` (row-major scales only), grouped output with :func:`grouped_rowwise_mxtensor`.
 """
 
 from __future__ import annotations
