@@ -130,11 +130,13 @@ class GroupedScale(NamedTuple):
             blocked (128x4 tiles) from a 128-row boundary, zero padding included.
         offs: int32 ``[E]`` cumulative end rows of the groups the layout was made for.
         blocked_offs: int32 ``[E]`` padded end rows (:func:`mxmoe.layouts.blocked_group_offsets` of ``offs``).
+        rows: ``blocked_offs[-1]`` (0 without groups) as a host int, so consumers check sizes without a sync.
     """
 
     scale: torch.Tensor
     offs: torch.Tensor
     blocked_offs: torch.Tensor
+    rows: int
 
 
 @dataclass

@@ -103,6 +103,7 @@ def _case_grouped_scales_equal_to_blocked_grouped(dev, gen):
                     want, want_offs = to_blocked_grouped(ref.scale, offs)
                     same_bytes(q.grouped.scale, want, f"{tag} blocked scale")
                     same_bytes(q.grouped.blocked_offs, want_offs, f"{tag} blocked offsets")
+                    assert q.grouped.rows == (int(want_offs[-1]) if sizes else 0), f"{tag}: rows"
                     same_bytes(q.data, ref.data, f"{tag} data")
                     same_bytes(q.scale, ref.scale, f"{tag} row-major scale")
                     assert (q.axis, q.block, q.scale_rule) == (1, (1, 32), rule), tag
@@ -183,8 +184,9 @@ def test_interpreter(interpreter_results, case):
 def _carrying(a: MXTensor, scale, offs) -> MXTensor:
     from mxmoe.layouts import blocked_group_offsets
 
+    bo = blocked_group_offsets(offs)
     return MXTensor(a.data, a.scale, a.axis, a.scale_rule, a.block,
-                    GroupedScale(scale, offs, blocked_group_offsets(offs)))
+                    GroupedScale(scale, offs, bo, int(bo[-1]) if bo.numel() else 0))
 
 
 def test_args_take_a_carried_scale_and_refuse_a_mismatching_one():

@@ -52,7 +52,7 @@ import torch
 
 from mxmoe.backend import interpreting, resolve
 from mxmoe.formats import BLOCK, GroupedScale, MXTensor, ScaleRule
-from mxmoe.layouts import blocked_group_offsets, blocked_numel
+from mxmoe.layouts import blocked_group_offsets, blocked_numel, round_up
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LAYOUTS = ("row_major", "blocked", "sm90")  # kernel codes 0, 1, 2
@@ -621,11 +621,14 @@ def rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, scale_rule: str = 
 
 def grouped_rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, blocked: torch.Tensor, offs: torch.Tensor,
                              blocked_offs: torch.Tensor, scale_rule: str = "rceil") -> MXTensor:
-    """MXTensor of :func:`quantize_grouped_rowwise` output with ``row_major_scale``: ``data`` ``[M, K]``, the
-    row-major ``scale`` ``[M, K/32]``, and the per-group blocked scales (``blocked``, with the ``offs`` they
-    were laid out for and their ``blocked_offs``) carried as :attr:`~mxmoe.formats.MXTensor.grouped`."""
+    """MXTensor of :func:`quantize_grouped_rowwise` output with ``row_major_scale`` and ``padded_rows=None`` (the
+    exact size): ``data`` ``[M, K]``, the row-major ``scale`` ``[M, K/32]``, and the per-group blocked scales
+    (``blocked``, with the ``offs`` they were laid out for and their ``blocked_offs``) carried as
+    :attr:`~mxmoe.formats.MXTensor.grouped`."""
+    width = round_up(data.shape[-1] // BLOCK, 4)
+    rows = blocked.numel() // width if width else 0
     return MXTensor(data, scale, data.dim() - 1, ScaleRule(scale_rule).value, (1, BLOCK),
-                    GroupedScale(blocked, offs, blocked_offs))
+                    GroupedScale(blocked, offs, blocked_offs, rows))
 
 
 def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule: str = "rceil",

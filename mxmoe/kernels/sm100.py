@@ -37,7 +37,7 @@ def _groups_along_cols(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 def _grouped_scale(a: MXTensor, offs: torch.Tensor) -> torch.Tensor:
     """``a``'s carried per-group blocked scales, flat, after checking they were laid out for ``offs`` and
-    ``a``'s shape (ValueError otherwise); synchronizes with the host once."""
+    ``a``'s shape (ValueError otherwise); no host sync when ``offs`` is the tensor they were made for."""
     gs = a.grouped
     if a.dim() != 2 or a.axis != 1:
         raise ValueError(f"per-group blocked scales belong to a 2D tensor quantized along its last dim, got {a!r}")
@@ -45,7 +45,7 @@ def _grouped_scale(a: MXTensor, offs: torch.Tensor) -> torch.Tensor:
                                 or not torch.equal(gs.offs, offs)):
         raise ValueError(f"the MXTensor's blocked scales were laid out for groups ending at {gs.offs.tolist()}, "
                          f"not the product's {offs.tolist()}")
-    rows = int(gs.blocked_offs[-1]) if gs.blocked_offs.numel() else 0
+    rows = gs.rows
     want = rows * round_up(a.shape[1] // 32, COL_TILE)
     if gs.scale.dim() != 1 or gs.scale.numel() != want or gs.blocked_offs.shape != offs.shape:
         raise ValueError(f"the MXTensor's blocked scales ({tuple(gs.scale.shape)}, blocked_offs "
