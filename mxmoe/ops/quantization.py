@@ -43,10 +43,12 @@ def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, scale_rule: str = "rce
                      backend: Backend | None = None) -> MXTensor:
     """``x [M, K]`` (rows grouped by expert) quantized along K in 1x32 blocks, for an M-grouped product.
 
-    Where the grouped kernel runs (:func:`mxmoe.kernels.dispatch.quantize_grouped_cuda`) the result also
-    carries its scales in the per-group blocked layout (:class:`~mxmoe.formats.GroupedScale`), which the
-    sm_100 product takes as they are; elsewhere it is ``formats.quantize(x, -1, scale_rule)``. Data and
-    row-major scales are that either way, bit for bit.
+    Where the grouped kernel runs (:func:`mxmoe.kernels.dispatch.quantize_grouped_cuda`: the backend's
+    kernels on, so CUDA, or CPU tensors under Triton's interpreter in tests) the result also carries its
+    scales in the per-group blocked layout (:class:`~mxmoe.formats.GroupedScale`), which the sm_100
+    product takes as they are; elsewhere it is ``formats.quantize(x, -1, scale_rule)``. Data and
+    row-major scales are that either way, bit for bit. :func:`~mxmoe.ops.linear.grouped_linear` calls
+    it where :meth:`~mxmoe.backend.Backend.grouped_scales` says so.
 
     Args:
         x: ``[M, K]`` float tensor, ``K % 32 == 0``.
