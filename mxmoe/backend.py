@@ -119,6 +119,14 @@ class Backend:
         wgrad = self.gemm_route(True, a, a) if recipe.wgrad_mxfp8 else f"{plain} ({recipe.compute_dtype})"
         return {"fprop": self.gemm_route(False, a, w), "dgrad": self.gemm_route(False, a, w), "wgrad": wgrad}
 
+    def grouped_scales(self, recipe) -> bool:
+        """Whether ``recipe``'s M-grouped products (fprop, dgrad) take their activation operand from the
+        grouped quantization kernel, which writes its scales in the per-group blocked layout the sm_100
+        product reads (so no re-layout runs in torch): the sm_100 route with the Triton kernels, 1x32
+        activation blocks (the kernel's only group)."""
+        return (recipe.mxfp8 and self.kernels and recipe.act_block == 32
+                and self.recipe_routes(recipe)["fprop"] == "sm100")
+
     def expansion(self, recipe) -> bool:
         """Whether ``recipe``'s expert products all take the Hopper expansion route, so the QDQ
         kernels may write their BF16 operands directly (1x32 activations, 1x32 / 32x32 weights)."""

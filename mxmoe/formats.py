@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -120,6 +121,24 @@ def normalize_block(block) -> tuple[int, int]:
     return b
 
 
+class GroupedScale(NamedTuple):
+    """The scales of an MXTensor ``[M, K]`` quantized along K (rows grouped by expert) in the per-group
+    blocked layout the sm_100 grouped product reads (:func:`mxmoe.layouts.to_blocked_grouped`).
+
+    Attributes:
+        scale: flat ``float8_e8m0fnu``, ``blocked_offs[-1] * ceil(K/128)*4`` entries: each group's rows
+            blocked (128x4 tiles) from a 128-row boundary, zero padding included.
+        offs: int32 ``[E]`` cumulative end rows of the groups the layout was made for.
+        blocked_offs: int32 ``[E]`` padded end rows (:func:`mxmoe.layouts.blocked_group_offsets` of ``offs``).
+        rows: ``blocked_offs[-1]`` (0 without groups) as a host int, so consumers check sizes without a sync.
+    """
+
+    scale: torch.Tensor
+    offs: torch.Tensor
+    blocked_offs: torch.Tensor
+    rows: int
+
+
 @dataclass
 class MXTensor:
     """An MXFP8 tensor (OCP MX v1.0): E4M3 data and one E8M0 scale per 32 elements along ``axis``.
@@ -135,6 +154,10 @@ class MXTensor:
             always stored per 32 elements (replicated over coarser groups), so the tensor is a
             standard 1x32 MX tensor along ``axis``; for square tiles :meth:`requantize_free_swap`
             gives the other orientation with no new rounding.
+        grouped: optional :class:`GroupedScale`, the same scales in the per-group blocked layout (a 2D
+            tensor quantized along its last dim, from the grouped quantization kernel); ``scale`` stays
+            the row-major copy, valid for every other use. Views and derived tensors (:meth:`transpose`,
+            :meth:`requantize_free_swap`) and tensors saved for backward do not keep it.
     """
 
     data: torch.Tensor
@@ -142,6 +165,7 @@ class MXTensor:
     axis: int
     scale_rule: str = "rceil"
     block: tuple[int, int] = (1, BLOCK)
+    grouped: GroupedScale | None = None
 
     @property
     def shape(self) -> torch.Size:

@@ -59,6 +59,21 @@ def quantize_cuda(x: torch.Tensor, axis: int, scale_rule: str, block, be: Backen
     return q.columnwise_mxtensor(data_t, scale_t, scale_rule, block)
 
 
+def quantize_grouped_cuda(x: torch.Tensor, offs: torch.Tensor, scale_rule: str, be: Backend):
+    """``x [M, K]`` (rows grouped by ``offs``, int32 ``[E]`` cumulative end rows) along K in 1x32 blocks,
+    with the per-group blocked scales carried (:attr:`~mxmoe.formats.MXTensor.grouped`) beside the
+    row-major ones, from one read; None where the kernel does not cover the case (not 2D, K not a multiple
+    of 32, a dtype other than bf16/fp16/fp32, no kernels). Synchronizes with the host once (the blocked
+    size)."""
+    if (x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[1] % 32 or not be.kernels
+            or offs.device != x.device):
+        return None
+    from mxmoe.kernels import quantize as q
+
+    data, blocked, blocked_offs, scale = q.quantize_grouped_rowwise(x, offs, scale_rule, row_major_scale=True)
+    return q.grouped_rowwise_mxtensor(data, scale, blocked, offs, blocked_offs, scale_rule)
+
+
 def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int, be: Backend):
     """2D ``[M, K]`` along K and along M in 1 x ``group`` blocks (32 or 128) from one read, or None."""
     if (x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % group or x.shape[1] % group

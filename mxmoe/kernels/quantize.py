@@ -13,6 +13,7 @@ e.g. expert weights ``[E, N, K]``; any strides, fastest when the last dim is con
                             data bytes (docs/DESIGN.md §2: 2D weight blocks)
 ``quantize_grouped_rowwise``  grouped rows with int32 end offsets: rowwise data + scales
                             written straight into the per-group 128-row-aligned blocked layout
+                            (and row-major beside it): the sm_100 products' activations
 ==========================  ===============================================================
 
 The Hopper-fast recipe's forms (docs/DESIGN.md §9, ``mxfp8_128``): ``quantize_rowwise_128``,
@@ -40,7 +41,7 @@ their QDQ forms), :mod:`mxmoe.kernels.quantize_gluon` (``_use_gluon`` says when;
 ``_GLUON_TILES`` below.
 
 Wrap results as :class:`~mxmoe.formats.MXTensor` with :func:`rowwise_mxtensor` /
-:func:`columnwise_mxtensor` (row-major scales only).
+:func:`columnwise_mxtensor` (row-major scales only), grouped output with :func:`grouped_rowwise_mxtensor`.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from typing import NamedTuple
 import torch
 
 from mxmoe.backend import interpreting, resolve
-from mxmoe.formats import BLOCK, MXTensor, ScaleRule
-from mxmoe.layouts import blocked_group_offsets, blocked_numel
+from mxmoe.formats import BLOCK, GroupedScale, MXTensor, ScaleRule
+from mxmoe.layouts import blocked_group_offsets, blocked_numel, round_up
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LAYOUTS = ("row_major", "blocked", "sm90")  # kernel codes 0, 1, 2
@@ -546,7 +547,7 @@ def quantize_128x128(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", sca
 
 
 def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
-                             padded_rows: int | None = None):
+                             padded_rows: int | None = None, row_major_scale: bool = False):
     """Rowwise MXFP8 of expert-grouped rows, scales written in the per-group blocked layout.
 
     Args:
@@ -558,11 +559,14 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
             the exact ``sum ceil(n_g/128)*128``, which syncs with the host once; pass any value
             ``>=`` that (e.g. ``(ceil(M/128) + E) * 128``, always enough) to stay asynchronous:
             rows past the last group are then zero.
+        row_major_scale: also write the scales row-major (from the same pass over x).
     Returns:
         ``(data, scale, blocked_offs)``: ``float8_e4m3fn`` ``[M, K]`` (all rows, also those past
         ``offs[-1]``), flat ``float8_e8m0fnu`` scales of ``padded_rows * ceil(K/128)*4`` entries,
         and int32 ``[E]`` padded end offsets. With ``padded_rows=None`` ``(scale, blocked_offs)``
-        equal ``layouts.to_blocked_grouped(formats.quantize(x).scale, offs)``.
+        equal ``layouts.to_blocked_grouped(formats.quantize(x).scale, offs)``. With
+        ``row_major_scale`` a fourth item, ``float8_e8m0fnu`` ``[M, K/32]``: ``formats.quantize(x).scale``
+        (all rows), so ``rowwise_mxtensor(data, it)`` is ``formats.quantize(x)``.
     Raises:
         TypeError / ValueError as :func:`quantize_rowwise`; ValueError for bad ``offs``.
     """
@@ -584,9 +588,12 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
     cols = K // BLOCK
     data = torch.empty(M, K, dtype=torch.uint8, device=x.device)
     scale = torch.empty(padded_rows * triton_cdiv(cols, 4) * 4, dtype=torch.uint8, device=x.device)
+    row_scale = torch.empty(M, cols, dtype=torch.uint8, device=x.device) if row_major_scale else None
+    extra = (row_scale.view(torch.float8_e8m0fnu),) if row_major_scale else ()
     n_tiles = max(triton_cdiv(M, 128) + E, padded_rows // 128)
     if n_tiles == 0 or K == 0:
-        return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_group_offsets(offs)
+        return (data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_group_offsets(offs),
+                *extra)
     blocked_offs = torch.empty(E, dtype=torch.int32, device=x.device)  # written by the kernel
     BM, BK, num_warps, persistent = _config_grouped()
     n_row_tiles = n_tiles * (128 // BM)
@@ -594,10 +601,12 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
     EP = max(16, 1 << max(E - 1, 0).bit_length())
     # group search per tile (_group_rows): a vector sum while the groups fit one warp, else a binary search
     search_bits = E.bit_length() if EP > _GROUPED_VECTOR_SEARCH_MAX else 0
-    args = (x, data, scale, offs, blocked_offs, M, K, x.stride(0), x.stride(1), E, n_row_tiles, padded_rows, rceil)
-    kwargs = dict(EP=EP, SEARCH_BITS=search_bits, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+    args = (x, data, scale, offs, blocked_offs, row_scale if row_major_scale else scale, M, K, x.stride(0),
+            x.stride(1), E, n_row_tiles, padded_rows, rceil)
+    kwargs = dict(EP=EP, SEARCH_BITS=search_bits, BM=BM, BK=BK, SOFT_CVT=_interpreting(), ROW_SCALE=row_major_scale,
+                  num_warps=num_warps)
     _launch_tiles(_kernels().mx_quantize_grouped_kernel, args, kwargs, total, persistent, x.device)
-    return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_offs
+    return data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), blocked_offs, *extra
 
 
 # ----------------------------------------------------------------------------------------------
@@ -608,6 +617,18 @@ def rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, scale_rule: str = 
                      block: tuple[int, int] = (1, BLOCK)) -> MXTensor:
     """MXTensor of :func:`quantize_rowwise` / :func:`quantize_32x32` output (row-major scales)."""
     return MXTensor(data, scale, data.dim() - 1, ScaleRule(scale_rule).value, block)
+
+
+def grouped_rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, blocked: torch.Tensor, offs: torch.Tensor,
+                             blocked_offs: torch.Tensor, scale_rule: str = "rceil") -> MXTensor:
+    """MXTensor of :func:`quantize_grouped_rowwise` output with ``row_major_scale`` and ``padded_rows=None`` (the
+    exact size): ``data`` ``[M, K]``, the row-major ``scale`` ``[M, K/32]``, and the per-group blocked scales
+    (``blocked``, with the ``offs`` they were laid out for and their ``blocked_offs``) carried as
+    :attr:`~mxmoe.formats.MXTensor.grouped`."""
+    width = round_up(data.shape[-1] // BLOCK, 4)
+    rows = blocked.numel() // width if width else 0
+    return MXTensor(data, scale, data.dim() - 1, ScaleRule(scale_rule).value, (1, BLOCK),
+                    GroupedScale(blocked, offs, blocked_offs, rows))
 
 
 def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule: str = "rceil",

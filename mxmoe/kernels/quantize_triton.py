@@ -346,10 +346,11 @@ def _load_group_tile(x_ptr, t, total, n_t, pad_end, tiles, gmask, offs_ptr, bo_p
 
 @triton.jit(do_not_specialize=["rceil"])
 def mx_quantize_grouped_kernel(
-    x_ptr, q_ptr, s_ptr, offs_ptr, bo_ptr,
+    x_ptr, q_ptr, s_ptr, offs_ptr, bo_ptr, sr_ptr,
     M, K, stride_xm, stride_xk,
     n_groups, n_row_tiles, padded_rows, rceil,
     EP: tl.constexpr, SEARCH_BITS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
     """Rowwise MXFP8 of grouped rows x [M, K], scales straight into the per-group blocked layout.
 
@@ -366,6 +367,7 @@ def mx_quantize_grouped_kernel(
     the same values, so the launch needs no torch ops around it), which the scalar group search
     (SEARCH_BITS > 0, _group_rows) reads back after a CTA barrier. Persistent with a one-tile
     prefetch, like mx_quantize_kernel.
+    With ROW_SCALE the scales are also written row-major to sr [M, K/32] (every row, the tail's too).
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -416,6 +418,11 @@ def mx_quantize_grouped_kernel(
         byte = _e8m0_from_amax_bits(tl.max(bits, axis=3), rceil)  # [MB, 32, NB]
         d = tl.reshape(_quantize_elems(xf, byte[:, :, :, None], SOFT_CVT), (BM, BK))
         tl.store(q_ptr + m64 * K + k, d, mask=in_bounds)
+        if ROW_SCALE:
+            rm = row0 + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1] input rows
+            rc = tk * NB + nb[None, None, :]  # [1, 1, NB] scale columns
+            rmask = (rm < row_end) & (rm < M) & (rc < K // 32)
+            tl.store(sr_ptr + rm.to(tl.int64) * (K // 32) + rc, byte.to(tl.uint8), mask=rmask)
         # scales: padded rows p + local; rows outside any group (the tail) get zeros
         byte = tl.where(in_group, byte, 0)
         r = p + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]

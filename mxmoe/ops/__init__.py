@@ -4,7 +4,8 @@ Shape letters: M routed rows (tokens x top_k, grouped by expert), K contraction,
 features, E experts, T tokens of a K-grouped (wgrad) product.
 
 ==================  ===================================================================================
-``quantization``    :func:`quantize`, :func:`quantize_dual`, :func:`quantize_weight`, :func:`quantize_weight_both`
+``quantization``    :func:`quantize`, :func:`quantize_dual`, :func:`quantize_grouped`, :func:`quantize_weight`,
+                    :func:`quantize_weight_both`
 ``grouped``         :func:`grouped_mm` (``torch._grouped_mm`` contract) and its per-group reference
 ``linear``          :func:`grouped_linear`: the expert linear layer, fprop / dgrad / wgrad
 ``activation``      :func:`swiglu`
@@ -19,8 +20,9 @@ the reference (bit for bit for quantization, to FP32 summation order for product
 from mxmoe.ops.activation import swiglu
 from mxmoe.ops.grouped import grouped_mm
 from mxmoe.ops.linear import grouped_linear
-from mxmoe.ops.quantization import quantize, quantize_dual, quantize_weight, quantize_weight_both, weight_block
+from mxmoe.ops.quantization import (quantize, quantize_dual, quantize_grouped, quantize_weight, quantize_weight_both,
+                                    weight_block)
 from mxmoe.ops.tokens import combine, permute_tokens
 
-__all__ = ["quantize", "quantize_dual", "quantize_weight", "quantize_weight_both", "weight_block", "grouped_mm",
-           "grouped_linear", "swiglu", "permute_tokens", "combine"]
+__all__ = ["quantize", "quantize_dual", "quantize_grouped", "quantize_weight", "quantize_weight_both", "weight_block",
+           "grouped_mm", "grouped_linear", "swiglu", "permute_tokens", "combine"]

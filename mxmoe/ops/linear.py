@@ -14,7 +14,7 @@ from mxmoe.formats import BLOCK, MXTensor
 from mxmoe.kernels.dispatch import layer_ops_for
 from mxmoe.layouts import check_offsets
 from mxmoe.ops.grouped import grouped_mm, is_mx
-from mxmoe.ops.quantization import quantize, quantize_dual, quantize_weight, quantize_weight_both
+from mxmoe.ops.quantization import quantize, quantize_dual, quantize_grouped, quantize_weight, quantize_weight_both
 from mxmoe.ops.saved import pack, unpack
 from mxmoe.recipes import Recipe, get_recipe
 
@@ -119,9 +119,12 @@ class _MXGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend):
         rule, g = recipe.scale_rule, recipe.act_block
         exp = _expansion(x, w, recipe, be)
+        grouped = exp is None and be.grouped_scales(recipe)
         x_saved = x_wgrad
         if x_mx is not None:  # (with x_wgrad too: x is only the autograd handle, see MXOperands)
             xq = x_mx
+        elif grouped:  # scales in the sm_100 product's per-group blocked layout; wgrad's operand made below
+            xq = quantize_grouped(x.detach(), offs, rule, backend=be)
         elif x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
             xq = x.detach() if exp else quantize(x, -1, rule, g, backend=be)  # requantizing MX values: lossless
         elif recipe.wgrad_mxfp8 and x.shape[0] % g == 0:  # fprop (along K) + wgrad (along tokens) operands
@@ -147,7 +150,7 @@ class _MXGroupedLinear(torch.autograd.Function):
         if x_saved is None:
             x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g, backend=be) if recipe.wgrad_mxfp8
                        else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
-        ctx.recipe, ctx.expansion, ctx.be = recipe, exp is not None, be
+        ctx.recipe, ctx.expansion, ctx.grouped, ctx.be = recipe, exp is not None, grouped, be
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
         # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
         xs, ctx.x_meta = pack(x_saved)
@@ -172,12 +175,13 @@ class _MXGroupedLinear(torch.autograd.Function):
                 dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
             elif need_dx:
                 dyq = dispatch.qdq_rowwise(dy, rule)
-        elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % g == 0:
+        elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % g == 0 and not ctx.grouped:
             dyq, dyq_t = quantize_dual(dy, rule, g, be)  # FP8 along N (dgrad) and along tokens (wgrad): one read
             dyq_t = dyq_t.mT
         if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
             if dyq is None:
-                dyq = quantize(dy, -1, rule, g, backend=be)
+                dyq = (quantize_grouped(dy, offs, rule, backend=be) if ctx.grouped
+                       else quantize(dy, -1, rule, g, backend=be))
             wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion, be)
             dx = _product(dyq, wq_n, offs, ctx.x_dtype, be)
             dyq = wq_n = None  # dgrad's operands freed before wgrad's are made (peak memory)

@@ -39,6 +39,35 @@ def quantize(x: torch.Tensor, axis: int = -1, scale_rule: str = "rceil", block=B
     return formats.quantize(x, axis, scale_rule, block)
 
 
+def quantize_grouped(x: torch.Tensor, offs: torch.Tensor, scale_rule: str = "rceil", *,
+                     backend: Backend | None = None) -> MXTensor:
+    """``x [M, K]`` (rows grouped by expert) quantized along K in 1x32 blocks, for an M-grouped product.
+
+    Where the grouped kernel runs (:func:`mxmoe.kernels.dispatch.quantize_grouped_cuda`: the backend's
+    kernels on, so CUDA, or CPU tensors under Triton's interpreter in tests) the result also carries its
+    scales in the per-group blocked layout (:class:`~mxmoe.formats.GroupedScale`), which the sm_100
+    product takes as they are; elsewhere it is ``formats.quantize(x, -1, scale_rule)``. Data and
+    row-major scales are that either way, bit for bit. :func:`~mxmoe.ops.linear.grouped_linear` calls
+    it where :meth:`~mxmoe.backend.Backend.grouped_scales` says so.
+
+    Args:
+        x: ``[M, K]`` float tensor, ``K % 32 == 0``.
+        offs: int32 ``[E]`` cumulative end rows of the groups (non-decreasing, ``offs[-1] <= M``), on x's device.
+        scale_rule: ``"rceil"`` (default) or ``"floor"``.
+        backend: the kernels to use (:func:`mxmoe.backend.resolve` of ``x.device`` by default).
+    Raises:
+        TypeError, ValueError: as :func:`mxmoe.formats.quantize`; ValueError for bad ``offs`` on the kernel.
+    """
+    be = backend or resolve(x.device)
+    if isinstance(x, torch.Tensor) and isinstance(offs, torch.Tensor):
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_grouped_cuda(x, offs, scale_rule, be)
+        if out is not None:
+            return out
+    return quantize(x, -1, scale_rule, BLOCK, backend=be)
+
+
 def weight_block(recipe: Recipe) -> tuple[int, int]:
     """The scale group of a recipe's expert weights: ``(1, 32)``, ``(32, 32)`` or ``(128, 128)``
     (:attr:`~mxmoe.recipes.Recipe.weight_group`)."""
