@@ -113,6 +113,7 @@ def run_case(name, recipe, skew, tokens, iters, dev, compile_backend=""):
     skew_router(moe, x, skew)
     layer = LoopMoE(moe) if recipe == "loop" else moe
     if compile_backend and recipe != "loop":
+        torch._dynamo.reset()  # each case compiles afresh: MoE.forward's cache would hit the recompile limit
         layer = torch.compile(moe, backend=compile_backend, fullgraph=True)
     xg = x.clone().requires_grad_()
     dy = torch.randn_like(x)

@@ -1,42 +1,107 @@
-"""Step time of the main job's GPU preset (`mxmoe train --preset gpu`) in one process, with and
-without the session-3 changes: experts on autocast-dtype activations ("cast"; off = the experts get
-FP32 activations, as before) and the layer kernels (`MXMOE_LAYER_KERNELS`); then a torch profile of
-the default configuration (CPU-side and CUDA time per op). Random tokens, fused AdamW, no gradient
-clipping or evaluation, so the numbers are lower bounds of the job's step.
+"""Where a training step's GPU time goes, per recipe: the main job's model (a preset of `mxmoe train`,
+default `gpu-throughput`) on random tokens, eager steps (kernel times are those of the CUDA-graph
+steps `mxmoe train` runs; the host's launch work is not in them), one torch profile of a few steps,
+each CUDA kernel's total time per step. Written to explain the end-to-end figures of
+``train_gpu_throughput.json`` (issue 23): which kernels grow or shrink from bf16 to the MX recipes.
 
-    PYTHONPATH=. python benchmarks/profile_train_step.py     # one CUDA GPU
+    PYTHONPATH=. python benchmarks/profile_train_step.py --out out/train_step_profile.json   # one CUDA GPU
+
+JSON: per recipe, ``ms_per_step`` (GPU kernel time summed, all streams), ``categories`` (ms per step:
+expert products, quantization, the layer's other kernels, attention, dense products, the rest) and ``kernels`` (name, ms per step, launches per
+step), largest first. The categories come from kernel names (:func:`category`), so read the kernel
+list before trusting them.
 """
-import os, time, statistics, torch
+import argparse
+import json
+import re
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from mxmoe import train as T
-cfg = T.make_config("gpu")
-dev = torch.device("cuda")
-orig_dtype = torch.get_autocast_dtype
-def run(recipe, cast, kernels, prof=False):
-    os.environ["MXMOE_LAYER_KERNELS"] = kernels
-    torch.get_autocast_dtype = orig_dtype if cast else (lambda d: torch.float32)
+
+CATEGORIES = [  # first match wins; patterns on CUDA kernel names
+    ("quantization", r"quant|qdq|mx_|e8m0|scale_layout"),
+    ("swiglu, permutation, combine", r"swiglu|silu|permut|combine|gather|scatter|index"),
+    ("expert products", r"sm90|grouped|gluon|wgmma.*fp8|_mm_kernel"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("dense products", r"gemm|nvjet|cutlass|sm90_xmma|ampere|cublas"),
+]
+
+
+def category(name: str) -> str:
+    """The category of a CUDA kernel by its name (CATEGORIES; "other" when none matches)."""
+    low = name.lower()
+    for cat, pat in CATEGORIES:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def profile_recipe(cfg, recipe: str, steps: int, dev: torch.device) -> dict:
     torch.manual_seed(0)
     model = T.MoELM(cfg, recipe).to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    x = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), device=dev)
-    y = torch.randint(0, 256, (cfg.batch_size, cfg.seq_len), device=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, T.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(dev)
+    y = torch.randint(0, T.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(dev)
+
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ce, aux = model(x, y)
         (ce + aux).backward()
-        opt.step(); opt.zero_grad(set_to_none=True)
-    ts = []
-    for i in range(25):
-        torch.cuda.synchronize(); t = time.perf_counter(); step(); torch.cuda.synchronize(); ts.append(time.perf_counter() - t)
-    # CPU-side time of one step without sync at the end
-    t = time.perf_counter(); step(); cpu = time.perf_counter() - t; torch.cuda.synchronize()
-    print(f"{recipe:6s} cast={cast} kernels={kernels}: {1e3*statistics.median(ts[10:]):.1f} ms/step, cpu-side {1e3*cpu:.1f} ms", flush=True)
-    if prof:
-        from torch.profiler import profile, ProfilerActivity
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            for _ in range(2): step()
-            torch.cuda.synchronize()
-        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
-    torch.get_autocast_dtype = orig_dtype
-run("bf16", False, "0"); run("bf16", True, "0"); run("bf16", False, "1"); run("bf16", True, "1", prof=True)
-run("mxfp8", False, "0"); run("mxfp8", True, "1")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    eager_ms = (time.perf_counter() - t) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.device_time_total / 1e3 / steps  # ms per step
+            k[1] += 1
+    rows = sorted(([n, ms, c / steps] for n, (ms, c) in kernels.items()), key=lambda r: -r[1])
+    cats = {}
+    for n, ms, _ in rows:
+        cats[category(n)] = cats.get(category(n), 0.0) + ms
+    return {"eager_ms_per_step": eager_ms, "ms_per_step": sum(r[1] for r in rows),
+            "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "kernels": [{"name": n, "ms": ms, "launches": c} for n, ms, c in rows]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="gpu-throughput")
+    ap.add_argument("--recipes", default="bf16,mxfp8,mxfp8_128")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default="train_step_profile.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg = T.make_config(args.preset)
+    res = {"preset": args.preset, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "tokens_per_step": cfg.batch_size * cfg.seq_len, "recipes": {}}
+    for r in T.parse_recipes(args.recipes):
+        res["recipes"][r] = m = profile_recipe(cfg, r, args.steps, dev)
+        cats = "  ".join(f"{k} {v:.2f}" for k, v in m["categories"].items())
+        print(f"{r:10s} kernels {m['ms_per_step']:.2f} ms/step (eager wall {m['eager_ms_per_step']:.2f}): {cats}",
+              flush=True)
+        for k in m["kernels"][:12]:
+            print(f"    {k['ms']:7.3f} ms  x{k['launches']:<4g} [{category(k['name'])}] {k['name'][:110]}")
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
