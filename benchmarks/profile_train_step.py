@@ -7,7 +7,7 @@ each CUDA kernel's total time per step. Written to explain the end-to-end figure
     PYTHONPATH=. python benchmarks/profile_train_step.py --out out/train_step_profile.json   # one CUDA GPU
 
 JSON: per recipe, ``ms_per_step`` (GPU kernel time summed, all streams), ``categories`` (ms per step:
-expert products, quantization, the layer's other kernels, attention, dense products, the rest) and ``kernels`` (name, ms per step, launches per
+attention, dense products, expert products, quantization, the layer's other kernels, the optimizer, the rest) and ``kernels`` (name, ms per step, launches per
 step), largest first. The categories come from kernel names (:func:`category`), so read the kernel
 list before trusting them.
 """
@@ -21,12 +21,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from mxmoe import train as T
 
-CATEGORIES = [  # first match wins; patterns on CUDA kernel names
-    ("quantization", r"quant|qdq|mx_|e8m0|scale_layout"),
-    ("swiglu, permutation, combine", r"swiglu|silu|permut|combine|gather|scatter|index"),
-    ("expert products", r"sm90|grouped|gluon|wgmma.*fp8|_mm_kernel"),
+CATEGORIES = [  # first match wins; patterns on CUDA kernel names (nvjet and cuDNN's names hold "sm90" too)
     ("attention", r"flash|fmha|attention|sdpa"),
-    ("dense products", r"gemm|nvjet|cutlass|sm90_xmma|ampere|cublas"),
+    ("dense products", r"nvjet|cublas|xmma|sgemm|cutlass_80"),
+    ("expert products", r"sm90_mxfp8|grouped|groupproblemshape"),
+    ("quantization", r"quant|qdq|mx_|e8m0|scale_layout"),
+    ("swiglu, permutation, combine", r"swiglu|silu|permut|combine|gather|scatter|to_float32"),
+    ("optimizer", r"fusedoptimizer|multi_tensor_apply"),
 ]
 
 
