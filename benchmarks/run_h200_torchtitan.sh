@@ -28,8 +28,8 @@ fi
 'torchtitan', torchtitan.__version__, 'cuda', torch.cuda.is_available())"
   git log -1 --format='mxmoe %h %s' 2>/dev/null; } >>"$LOG" 2>&1
 python3 benchmarks/torchtitan_assets.py /tmp/tt_assets >>"$LOG" 2>&1 || { echo "assets failed"; tail -20 "$LOG"; exit 1; }
-# The settings of torchtitan's DeepSeek-V3 debug config (0.2.2's wheel ships no TOML; these are its
-# debug_model.toml's / 0.3.0's deepseek_v3_debugmodel's), the data set and tokenizer the offline assets.
+# The settings of torchtitan's DeepSeek-V3 debug config (0.2.2's wheel ships no TOML; these are
+# 0.3.0's deepseek_v3_debugmodel's), the data set and tokenizer the offline assets.
 base=(--model.name deepseek_v3 --model.flavor debugmodel --model.hf_assets_path /tmp/tt_assets/tokenizer
       --training.dataset c4_test --training.dataset_path /tmp/tt_assets/data --training.local_batch_size 8
       --training.seq_len 2048 --training.steps "$STEPS" --optimizer.lr 8e-4 --lr_scheduler.warmup_steps 2
