@@ -40,6 +40,10 @@ Selecting it, on the command line of torchtitan's trainer (``torchtitan.train``)
 ``--mxmoe.*`` options: ``recipe``, ``fused_swiglu``, ``validate``.) From Python:
 :func:`convert_grouped_experts` on a built model.
 
+Compile: torchtitan 0.2.2's ``--compile.enable`` compiles each MoE layer's router and shared experts but
+leaves the ``experts`` module eager (it compiles its own ``_run_experts_grouped_mm`` instead), so these
+experts run eager, mxmoe's kernels and the padding gathers as they are.
+
 Only torchtitan's plain ``GroupedExperts`` convert: gpt-oss's experts (``GptOssGroupedExperts``, biases
 and a clamped SwiGLU) call ``torch._grouped_mm`` directly in 0.2.2 and are left as they are (the
 converter says so). DeepEP's MoE is untested.
