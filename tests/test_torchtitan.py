@@ -153,7 +153,8 @@ def test_fused_and_unfused_swiglu_agree():
 @needs_torchtitan
 @pytest.mark.parametrize("fused_swiglu", [True, False])
 def test_experts_alone_empty_groups_and_bf16_rows(fused_swiglu):
-    """The converted experts on expert-ordered rows (float counts: any number dtype works), with experts that get no rows, BF16 rows in and out, against the FP64 per-expert loop."""
+    """The converted experts on expert-ordered rows (float counts: any number dtype works), with experts
+    that get no rows, BF16 rows in and out, against the FP64 per-expert loop."""
     m = moe_layer(64, 64, 6, 1)
     e = converted(m, "fp32", fused_swiglu=fused_swiglu).experts
     counts = torch.tensor([5.0, 0.0, 7.0, 0.0, 0.0, 3.0])
