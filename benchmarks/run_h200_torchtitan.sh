@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# One device call (<= 600 s; one H200, its torch 2.11, no network), issue 24: torchtitan 0.3.0's own training
+# One device call (<= 600 s; one H200, its torch 2.11, no network), issue 24: torchtitan 0.2.2's own training
 # entry point (torchtitan.train under torchrun) on its DeepSeek-V3 debug model (6 layers, 5 MoE of 8 experts,
 # dim 256, top 3; 8 x 2048 tokens a step) with torch.compile and selective activation checkpointing, once
 # with torchtitan's BF16 experts and once per mxmoe recipe through mxmoe.integrations.torchtitan (the
-# override); tokens/s from torchtitan's own log lines.
+# `mxmoe` model converter); tokens/s from torchtitan's own log lines. (torchtitan 0.2.2, not 0.3.0: 0.3.0
+# does not import under torch 2.11; benchmarks/NOTES_torchtitan.md.)
 # Carry: .whl (torchtitan and what the image lacks: benchmarks/NOTES_torchtitan.md has the pip download lines).
 # Usage: OUT=/some/dir bash benchmarks/run_h200_torchtitan.sh -> $OUT/torchtitan_log.txt, $OUT/torchtitan.json
 # RECIPES="bf16 mxfp8_128 mxfp8" picks the runs (bf16: torchtitan's own experts, no converter); STEPS=40;
 # RUN_S=165 caps each run; FLAGS adds torchtitan flags to every run; DRY_RUN=1 only parses each run's config
-# (CPU is enough: checks the flags, the override and the assets).
+# and builds its model on the meta device with the converters (CPU is enough: checks the flags, the
+# converter and the assets).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 HF_DATASETS_CACHE=/tmp/tt_hf WANDB_MODE=disabled
@@ -26,16 +28,33 @@ fi
 'torchtitan', torchtitan.__version__, 'cuda', torch.cuda.is_available())"
   git log -1 --format='mxmoe %h %s' 2>/dev/null; } >>"$LOG" 2>&1
 python3 benchmarks/torchtitan_assets.py /tmp/tt_assets >>"$LOG" 2>&1 || { echo "assets failed"; tail -20 "$LOG"; exit 1; }
+# The settings of torchtitan's DeepSeek-V3 debug config (0.2.2's wheel ships no TOML; these are
+# 0.3.0's deepseek_v3_debugmodel's), the data set and tokenizer the offline assets.
+base=(--model.name deepseek_v3 --model.flavor debugmodel --model.hf_assets_path /tmp/tt_assets/tokenizer
+      --training.dataset c4_test --training.dataset_path /tmp/tt_assets/data --training.local_batch_size 8
+      --training.seq_len 2048 --training.steps "$STEPS" --optimizer.lr 8e-4 --lr_scheduler.warmup_steps 2
+      --lr_scheduler.decay_ratio 0.8 --lr_scheduler.decay_type linear --lr_scheduler.min_lr_factor 0.0
+      --parallelism.expert_parallel_degree 1 --activation_checkpoint.mode selective --metrics.log_freq 5
+      --compile.enable)
 for r in $RECIPES; do
-  args=(--module deepseek_v3 --config deepseek_v3_debugmodel --hf_assets_path /tmp/tt_assets/tokenizer
-        --dataloader.dataset_path /tmp/tt_assets/data --training.steps "$STEPS" --metrics.log_freq 5
-        --compile.enable --dump_folder "/tmp/tt_out_$r")
-  [ "$r" != bf16 ] && args+=(--override.imports "mxmoe.integrations.torchtitan.mxmoe_experts={\"recipe\": \"$r\"}")
+  args=("${base[@]}" --job.dump_folder "/tmp/tt_out_$r")
+  [ "$r" != bf16 ] && args+=(--job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe
+                             --mxmoe.recipe "$r")
   echo "=== run $r: ${args[*]} ${FLAGS:-}" >>"$LOG"
   s=$SECONDS
   if [ -n "${DRY_RUN:-}" ]; then
-    python3 -c "import sys; from torchtitan.config import ConfigManager; from torchtitan.config.override import apply_overrides
-c = ConfigManager().parse_args(sys.argv[1:]); apply_overrides(c.override, c); print('parsed', c.override.imports)" \
+    python3 -c "import sys, torch
+from torchtitan.config import ConfigManager
+from torchtitan.protocols.model_converter import build_model_converters
+from torchtitan.protocols.train_spec import get_train_spec
+c = ConfigManager().parse_args(sys.argv[1:]); spec = get_train_spec(c.model.name)
+args = spec.model_args[c.model.flavor]; args.update_from_config(c)
+with torch.device('meta'):
+    model = spec.model_cls(args)
+build_model_converters(c, None).convert(model)
+tok = spec.build_tokenizer_fn(c)
+kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith('Experts')})
+print('parsed', c.model.converters, getattr(c, 'mxmoe', None), 'experts', kinds, 'vocab', tok.get_vocab_size())" \
       "${args[@]}" ${FLAGS:-} >>"$LOG" 2>&1
   else
     timeout "$RUN_S" torchrun --standalone --nproc-per-node 1 -m torchtitan.train "${args[@]}" ${FLAGS:-} >>"$LOG" 2>&1

@@ -6,8 +6,8 @@ repository, not in its wheel, and the GPU machines have no network).
 
 writes ``OUT_DIR/tokenizer/{tokenizer.json,tokenizer_config.json}`` (vocabulary <= ``--vocab``, which must
 not exceed the model's: 2048 for the DeepSeek-V3 debug model) and ``OUT_DIR/data/train.jsonl``
-(``{"text": ...}`` per source file). Pass them as ``--hf_assets_path OUT_DIR/tokenizer
---dataloader.dataset_path OUT_DIR/data`` with the ``c4_test`` data set (loaded with ``datasets``'s
+(``{"text": ...}`` per source file). Pass them to torchtitan 0.2.2 as ``--model.hf_assets_path
+OUT_DIR/tokenizer --training.dataset_path OUT_DIR/data`` with the ``c4_test`` data set (loaded with ``datasets``'s
 ``load_dataset(path, split="train")``). Needs the ``tokenizers`` package (a torchtitan dependency).
 """
 

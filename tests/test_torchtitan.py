@@ -1,15 +1,15 @@
 """mxmoe.integrations.torchtitan: torchtitan's MoE experts on mxmoe's products (CPU: the reference path).
 
-The converted experts of torchtitan's own modules against an FP64 per-expert loop on the same weights
-(and torchtitan's BF16 experts beside them), the padding dispatcher under expert parallelism against
-torchtitan's own permutation, the converter and override entry points, and a forward + backward of
+torchtitan 0.2.2's own MoE layer (router, reorderer, GroupedExperts) with the experts converted, against
+an FP64 per-expert loop on the same weights (and torchtitan's BF16 for-loop experts beside them; its
+grouped_mm path pads through a Triton kernel, CUDA only), the expert-parallel padding with the recipe's
+alignment, the converter through torchtitan's own config parsing, and a forward + backward of
 torchtitan's DeepSeek-V3 debug model with the converter.
 """
 
 import importlib.util
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +17,22 @@ import torch.nn.functional as F
 
 HAVE_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 needs_torchtitan = pytest.mark.skipif(
-    not HAVE_TORCHTITAN, reason="torchtitan is not installed (pip install -e '.[torchtitan]' installs 0.3.0)")
+    not HAVE_TORCHTITAN, reason="torchtitan is not installed (pip install -e '.[torchtitan]' installs 0.2.2)")
+
+
+@pytest.fixture(autouse=True)
+def _histc_of_integers_on_cpu(monkeypatch):
+    """torchtitan 0.2.2's router and reorderer count the int64 expert ids with torch.histc, which the
+    CPU has only for floats (CUDA has it for integers, counts in the ids' dtype): counted as floats
+    here (exact below 2**24), returned in the ids' dtype."""
+    histc = torch.histc
+
+    def patched(input, *args, **kwargs):
+        if input.device.type == "cpu" and not input.is_floating_point():
+            return histc(input.float(), *args, **kwargs).to(input.dtype)
+        return histc(input, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "histc", patched)
 
 
 def test_import_mxmoe_does_not_import_torchtitan():
@@ -29,100 +44,96 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def routed_experts(dim, hidden, num_experts, top_k, seed=0):
-    """torchtitan's RoutedExperts (GroupedExperts + the 'standard' dispatcher) with random weights."""
-    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+def moe_layer(dim, hidden, num_experts, top_k, seed=0, score_before_experts=False):
+    """torchtitan's MoE layer (no shared experts, softmax router) with random weights; its experts run
+    torchtitan's for-loop (the grouped_mm path pads with a CUDA kernel)."""
+    from torchtitan.models.moe import MoE, MoEArgs
 
-    cfg = RoutedExperts.Config(
-        inner_experts=GroupedExperts.Config(dim=dim, hidden_dim=hidden, num_experts=num_experts),
-        token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=num_experts, top_k=top_k))
-    m = cfg.build()
+    args = MoEArgs(num_experts=num_experts, num_shared_experts=0, top_k=top_k, score_func="softmax",
+                   score_before_experts=score_before_experts, use_grouped_mm=False, load_balance_coeff=None)
+    m = MoE(args, dim=dim, hidden_dim=hidden)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in m.named_parameters():
+        for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
-    return cfg, m
+    return m
 
 
-def routing(T, num_experts, top_k, dim, seed=1):
-    """Inputs of RoutedExperts.forward: x [1, T, D], scores and expert ids [1, T, K], tokens per expert.
-    Every expert gets tokens (torch's CPU _grouped_mm leaves empty experts' gradients unset)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, T, dim, generator=g)
-    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(T)])[None]
-    ids[0, :num_experts, 0] = torch.arange(num_experts)
-    scores = torch.rand(1, T, top_k, generator=g)
-    counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
-    return x, scores, ids, counts
+def converted(m, recipe, **kw):
+    """A copy of the MoE layer with its experts converted."""
+    import copy
 
+    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
 
-def loop_reference(m, x, scores, ids):
-    """The experts as a plain FP64 loop over experts: sum_k score * W2 (silu(x W1^T) * (x W3^T))."""
-    e = m.inner_experts
-    x2, s, idx = x[0].double(), scores[0].double(), ids[0]
-    y = torch.zeros_like(x2)
-    for k in range(e.num_experts):
-        tok, j = (idx == k).nonzero(as_tuple=True)
-        h = F.silu(x2[tok] @ e.w1_EFD[k].double().t()) * (x2[tok] @ e.w3_EFD[k].double().t())
-        y.index_add_(0, tok, (h @ e.w2_EDF[k].double().t()) * s[tok, j, None])
-    return y[None]
-
-
-def run(m, x, scores, ids, counts):
-    """Output and gradients (x, scores, w1, w2, w3) of sum(out^2)."""
-    x, scores = x.clone().requires_grad_(), scores.clone().requires_grad_()
-    m.zero_grad()
-    out = m(x, scores, ids, counts)
-    out.double().square().sum().backward()
-    e = m.inner_experts
-    return [out.detach(), x.grad, scores.grad, e.w1_EFD.grad, e.w2_EDF.grad, e.w3_EFD.grad]
-
-
-def converted(cfg, m, recipe, **kw):
-    from mxmoe.integrations.torchtitan import convert_routed_experts
-
-    c = convert_routed_experts(cfg, recipe, **kw).build()
-    c.load_state_dict(m.state_dict())
+    c = copy.deepcopy(m)
+    MXMoEGroupedExperts.convert(c.experts, recipe, **kw)
     return c
+
+
+class _Loop(torch.nn.Module):
+    """The layer with its experts as a plain FP64 loop: sum_k score * W2 (silu(x W1^T) * (x W3^T)), the
+    routing torchtitan's own (same router weights)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, x):
+        m, e = self.m, self.m.experts
+        bs, slen, dim = x.shape
+        x2 = x.reshape(-1, dim)
+        scores, ids, _ = m.router(x2, m.expert_bias)
+        x2, s = x2.double(), scores.double()
+        y = torch.zeros_like(x2)
+        for k in range(e.num_experts):
+            tok, j = (ids == k).nonzero(as_tuple=True)
+            h = F.silu(x2[tok] @ e.w1[k].double().t()) * (x2[tok] @ e.w3[k].double().t())
+            y.index_add_(0, tok, (h @ e.w2[k].double().t()) * s[tok, j, None])
+        return y.reshape(bs, slen, dim)
+
+
+def tokens(T, dim, seed=1):
+    return torch.randn(1, T, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def run(m, x):
+    """Output and gradients (x, router, w1, w2, w3) of sum(out^2)."""
+    x = x.clone().requires_grad_()
+    for p in m.parameters():
+        p.grad = None
+    out = m(x)
+    out.double().square().sum().backward()
+    mm = m.m if isinstance(m, _Loop) else m
+    e = mm.experts
+    return [out.detach(), x.grad, mm.router.gate.weight.grad, e.w1.grad, e.w2.grad, e.w3.grad]
 
 
 @needs_torchtitan
 @pytest.mark.parametrize("fused_swiglu", [True, False])
-def test_fp32_recipe_equals_loop(fused_swiglu):
-    """The plumbing (padding, w1/w3 concatenation, SwiGLU, combine) exactly, under the exact fp32 recipe."""
-    cfg, m = routed_experts(64, 96, 6, 2)
-    x, s, ids, counts = routing(50, 6, 2, 64)
-    got = run(converted(cfg, m, "fp32", fused_swiglu=fused_swiglu), x, s, ids, counts)
-    ref = run(_Loop(m), x, s, ids, counts)
+@pytest.mark.parametrize("score_before_experts", [False, True])
+def test_fp32_recipe_equals_loop(fused_swiglu, score_before_experts):
+    """The plumbing (padding, w1/w3 concatenation, SwiGLU, gather back) exactly, under the exact fp32 recipe."""
+    m = moe_layer(64, 96, 6, 2, score_before_experts=score_before_experts)
+    x = tokens(50, 64)
+    got = run(converted(m, "fp32", fused_swiglu=fused_swiglu), x)
+    ref = run(_Loop(m), x) if not score_before_experts else run(m, x)  # the loop weights after the experts
     for a, b in zip(got, ref):
         assert rel(a, b) < 1e-5
-
-
-class _Loop(torch.nn.Module):
-    """loop_reference with the module's own parameters (for gradients)."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.inner_experts = m.inner_experts
-
-    def forward(self, x, scores, ids, counts):
-        return loop_reference(self, x, scores, ids)
 
 
 @needs_torchtitan
 @pytest.mark.parametrize("recipe,dims", [("mxfp8", (64, 128)), ("mxfp8_2d", (64, 128)), ("mxfp8_128", (128, 128))])
 def test_mx_recipes_match_torchtitan_experts_within_mx_tolerance(recipe, dims):
     """Outputs and gradients of the converted experts against the FP64 loop: within MX tolerance (E4M3:
-    ~2.4% RMS per operand, ~6-7% through two chained products), torchtitan's BF16 experts near 1%."""
+    ~2.4% RMS per operand, ~6-7% through two chained products), torchtitan's experts (FP32 loop) exact."""
     D, Fd = dims
-    cfg, m = routed_experts(D, Fd, 8, 2)
-    x, s, ids, counts = routing(96, 8, 2, D)
-    ref = run(_Loop(m), x, s, ids, counts)
-    bf16 = run(m, x, s, ids, counts)
-    mx = run(converted(cfg, m, recipe), x, s, ids, counts)
-    for a, b, r in zip(mx, bf16, ref):
-        assert rel(b, r) < 0.02
+    m = moe_layer(D, Fd, 8, 2)
+    x = tokens(96, D)
+    ref = run(_Loop(m), x)
+    theirs = run(m, x)
+    mx = run(converted(m, recipe), x)
+    for a, b, r in zip(mx, theirs, ref):
+        assert rel(b, r) < 1e-4
         assert rel(a, r) < 0.12
     assert rel(mx[0], ref[0]) < 0.08
 
@@ -131,145 +142,164 @@ def test_mx_recipes_match_torchtitan_experts_within_mx_tolerance(recipe, dims):
 def test_fused_and_unfused_swiglu_agree():
     """cat(w1, w3) as one product with mxmoe's SwiGLU gives torchtitan's three products' MX numbers
     (x and the weights quantized along D either way; dgrad's blocks along 2F split at F)."""
-    cfg, m = routed_experts(64, 96, 4, 2)
-    x, s, ids, counts = routing(40, 4, 2, 64)
-    a = run(converted(cfg, m, "mxfp8", fused_swiglu=True), x, s, ids, counts)
-    b = run(converted(cfg, m, "mxfp8", fused_swiglu=False), x, s, ids, counts)
+    m = moe_layer(64, 96, 4, 2)
+    x = tokens(40, 64)
+    a = run(converted(m, "mxfp8", fused_swiglu=True), x)
+    b = run(converted(m, "mxfp8", fused_swiglu=False), x)
     for u, v in zip(a, b):
         assert rel(u, v) < 1e-2
 
 
 @needs_torchtitan
-@pytest.mark.parametrize("align", [32, 128])
-def test_expert_parallel_permutation_pads_torchtitans_order(align):
-    """Under EP the rows arrive rank-major; _permute puts them expert-major (rank order kept) into
-    groups padded to `align` (zero rows), and _unpermute gives them back."""
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
-    from mxmoe.integrations.torchtitan import MXMoETokenDispatcher
-
-    class Mesh:  # what _permute reads of the EP mesh
-        def size(self):
-            return 2
-
-    ours = MXMoETokenDispatcher.Config(num_experts=6, top_k=2, align=align).build()
-    theirs = AllToAllTokenDispatcher.Config(num_experts=6, top_k=2).build()
-    ours.ep_mesh = theirs.ep_mesh = Mesh()
-    counts = torch.tensor([3, 0, 5, 1, 2, 4])  # 2 ranks x 3 local experts, rank-major
-    rows = torch.randn(int(counts.sum()), 8)
-    _, plain, _, plain_counts = theirs._permute(rows, counts)
-    shape, padded, index, padded_counts = ours._permute(rows, counts)
-    assert shape == rows.shape and plain_counts.tolist() == [4, 2, 9]
-    ends = torch.cumsum(padded_counts, 0)
-    assert ends[-1] == padded.shape[0] and bool((ends[:-1] % align == 0).all())
-    starts = (ends - padded_counts).tolist()
-    got = torch.cat([padded[st:st + n] for st, n in zip(starts, plain_counts.tolist())])
-    assert torch.equal(got, plain)
-    assert float(padded.abs().sum()) == pytest.approx(float(plain.abs().sum()))  # the rest is zero
-    assert torch.equal(ours._unpermute(padded, shape, index), rows)
+@pytest.mark.parametrize("fused_swiglu", [True, False])
+def test_experts_alone_empty_groups_and_bf16_rows(fused_swiglu):
+    """The converted experts on expert-ordered rows (float counts: any number dtype works), with experts
+    that get no rows, BF16 rows in and out, against the FP64 per-expert loop."""
+    m = moe_layer(64, 64, 6, 1)
+    e = converted(m, "fp32", fused_swiglu=fused_swiglu).experts
+    counts = torch.tensor([5.0, 0.0, 7.0, 0.0, 0.0, 3.0])
+    x = tokens(15, 64)[0].bfloat16()
+    out = e(x, counts)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    ref, start = [], 0
+    for k, n in enumerate(counts.long().tolist()):
+        xs = x[start:start + n].double()
+        ref.append((F.silu(xs @ e.w1[k].double().t()) * (xs @ e.w3[k].double().t())) @ e.w2[k].double().t())
+        start += n
+    assert rel(out, torch.cat(ref)) < 0.01  # BF16 output rounding
 
 
 @needs_torchtitan
-def test_converter_and_override_rewrite_the_config_tree():
-    from torchtitan.config.override import OverrideConfig, apply_overrides
-    from torchtitan.models.common.moe import RoutedExperts
-    from torchtitan.models.deepseek_v3 import model_registry
+@pytest.mark.parametrize("recipe,align", [("mxfp8", 32), ("mxfp8_128", 128)])
+def test_expert_parallel_padding_uses_the_recipe_alignment(recipe, align):
+    """Under EP torchtitan's ExpertParallel pads the received rows (models.moe.utils._permute, its CPU
+    permutation here) to TOKEN_GROUP_ALIGN_SIZE_M, which the converter sets to the recipe's alignment;
+    the experts' EP branch takes those groups (the last absorbing the slack) as they are."""
+    from torchtitan.models.moe import utils
+    from torchtitan.models.moe.kernels import generate_permute_indices
 
-    from mxmoe.integrations.torchtitan import MXMoEConverter, MXMoEGroupedExperts, MXMoETokenDispatcher
+    from mxmoe.integrations.torchtitan import convert_grouped_experts
 
-    spec = model_registry("debugmodel", converters=[MXMoEConverter.Config(recipe="mxfp8_128")])
-    model = model_registry("debugmodel").model
-    apply_overrides(OverrideConfig(imports=[("mxmoe.integrations.torchtitan.mxmoe_experts", {"recipe": "mxfp8"})]),
-                    model)
-    for tree, recipe, align in ((spec.model, "mxfp8_128", 128), (model, "mxfp8", 32)):
-        found = list(tree.traverse(RoutedExperts.Config))
-        assert len(found) == 5  # the debug model's MoE layers
-        for _, cfg, _, _ in found:
-            assert type(cfg.inner_experts) is MXMoEGroupedExperts.Config and cfg.inner_experts.recipe == recipe
-            assert type(cfg.token_dispatcher) is MXMoETokenDispatcher.Config and cfg.token_dispatcher.align == align
+    m = moe_layer(128, 128, 6, 2)
+    old = utils.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        convert_grouped_experts(m, recipe)
+        assert utils.TOKEN_GROUP_ALIGN_SIZE_M == align
+        counts = torch.tensor([3, 0, 5, 1, 2, 4])  # 2 ranks x 3 local experts, rank-major
+        rows = int(counts.sum())
+        padded_max = utils._round_up(rows + 3 * align, align)
+        _, padded_counts, _ = generate_permute_indices(counts, 3, 2, padded_max, align, use_cpu=True)
+        assert padded_counts.tolist() == [-(-n // align) * align for n in (4, 2, 9)]
+    finally:
+        utils.set_token_group_alignment_size_m(old)
+
+
+@needs_torchtitan
+def test_converter_through_torchtitans_config_and_registry():
+    """--job.custom_config_module adds --mxmoe.*; --model.converters mxmoe converts the built debug model."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+    from torchtitan.models.moe import utils
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
+
+    cfg = ConfigManager().parse_args(["--job.custom_config_module", "mxmoe.integrations.torchtitan",
+                                      "--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
+                                      "--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8"])
+    assert cfg.model.converters == ["mxmoe"] and cfg.mxmoe.recipe == "mxfp8" and cfg.mxmoe.fused_swiglu
+    with torch.device("meta"):
+        model = DeepSeekV3Model(debug_args(job_config=cfg))
+    params = dict(model.named_parameters())
+    old = utils.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        build_model_converters(cfg, None).convert(model)
+    finally:
+        utils.set_token_group_alignment_size_m(old)
+    experts = [m for m in model.modules() if isinstance(m, MXMoEGroupedExperts)]
+    assert len(experts) == 5  # the debug model's MoE layers
+    assert all(e.recipe.name == "mxfp8" for e in experts)
+    assert all(params[n] is p for n, p in model.named_parameters())  # the same parameters
 
 
 @needs_torchtitan
 def test_bad_inputs_raise_clear_errors():
-    from torchtitan.models.common.token_dispatcher import DeepEPTokenDispatcher
+    from mxmoe.integrations.torchtitan import MXMoEConverter, MXMoEGroupedExperts, MXMoEOptions, convert_grouped_experts
 
-    from mxmoe.integrations.torchtitan import MXMoEConverter, convert_routed_experts
-
-    cfg, _ = routed_experts(64, 96, 4, 2)
+    m = moe_layer(64, 96, 4, 2)
     with pytest.raises(ValueError, match="unknown recipe"):
-        convert_routed_experts(cfg, "mxfp4")
+        convert_grouped_experts(m, "mxfp4")
     with pytest.raises(ValueError, match="unknown recipe"):
-        MXMoEConverter.Config(recipe="nope").build()
+        MXMoEConverter(type("C", (), {"mxmoe": MXMoEOptions(recipe="nope")})())
     with pytest.raises(ValueError, match="divisible by 128"):
-        convert_routed_experts(cfg, "mxfp8_128")  # hidden_dim 96
-    with pytest.raises(TypeError, match="RoutedExperts.Config"):
-        convert_routed_experts(cfg.inner_experts, "mxfp8")
-    deepep = replace(cfg, token_dispatcher=DeepEPTokenDispatcher.Config(num_experts=4, top_k=2))
-    with pytest.raises(ValueError, match="cannot pad"):
-        convert_routed_experts(deepep, "mxfp8")
-    with pytest.raises(ValueError, match="no RoutedExperts"):
-        MXMoEConverter.Config(recipe="mxfp8").build().convert(cfg.inner_experts)
+        convert_grouped_experts(m, "mxfp8_128")  # hidden_dim 96
+    with pytest.raises(TypeError, match="GroupedExperts"):
+        MXMoEGroupedExperts.convert(m.router, "mxfp8")
+    with pytest.raises(ValueError, match="no torchtitan GroupedExperts"):
+        convert_grouped_experts(m.router, "mxfp8")
 
 
 @needs_torchtitan
-def test_experts_with_their_own_forward_get_mx_products_through_the_seam():
-    """gpt-oss's experts (biases, clamped SwiGLU: their own forward) keep it; their _grouped_mm seam runs
-    mxmoe's products: the exact fp32 recipe vs mxfp8 within MX tolerance."""
-    from torchtitan.models.common.moe import RoutedExperts
-    from torchtitan.models.gpt_oss import model_registry
+def test_gpt_oss_experts_are_named_not_converted():
+    """gpt-oss's experts call torch._grouped_mm themselves in 0.2.2: the converter names them."""
+    from torchtitan.models.gpt_oss.model.moe import GptOssGroupedExperts
 
-    from mxmoe.integrations.torchtitan import convert_routed_experts
+    from mxmoe.integrations.torchtitan import convert_grouped_experts
 
-    _, cfg, _, _ = next(iter(model_registry("debugmodel").model.traverse(RoutedExperts.Config)))
-    cfg = replace(cfg, inner_experts=replace(cfg.inner_experts, hidden_dim=128))
-    x, s, ids, counts = routing(64, 8, cfg.token_dispatcher.top_k, cfg.inner_experts.dim)
-    outs = []
-    for recipe in ("fp32", "mxfp8"):
-        m = convert_routed_experts(cfg, recipe).build()
-        assert type(m.inner_experts).__name__ == "MXMoEGptOssGroupedExperts"
-        with torch.no_grad():
-            for p in m.parameters():
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * p.shape[-1] ** -0.5)
-        x2, s2 = x.clone().requires_grad_(), s.clone().requires_grad_()
-        out = m(x2, s2, ids, counts)
-        out.double().square().sum().backward()
-        outs.append([out.detach(), x2.grad] + [p.grad for p in m.parameters()])
-    for a, b in zip(*outs):
-        assert rel(a, b) < 0.12
+    with torch.device("meta"):
+        e = GptOssGroupedExperts(dim=64, hidden_dim=64, num_experts=4, swiglu_limit=7.0, use_grouped_mm=True)
+    with pytest.raises(ValueError, match="GptOssGroupedExperts"):
+        convert_grouped_experts(torch.nn.Sequential(e), "mxfp8")
 
 
-def debug_model(converters=None, layers=2):
-    """torchtitan's DeepSeek-V3 debug model (dim 256, 8 experts of 256, top 3), first `layers` layers,
-    attention through SDPA (FlexAttention has no CPU backward)."""
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
-    from torchtitan.models.deepseek_v3 import model_registry
+def debug_args(layers=6, job_config=None):
+    """torchtitan's DeepSeek-V3 debug model's arguments (dim 256, 8 experts of 256, top 3; SDPA), first
+    `layers` layers, completed from a job config as the trainer does (on a CPU-only machine that turns
+    torchtitan's grouped_mm experts into their loop)."""
+    import copy
 
-    cfg = model_registry("debugmodel", converters=converters).model
-    cfg.layers = cfg.layers[:layers]
-    for _, _, parent, attr in list(cfg.traverse(FlexAttention.Config)):
-        setattr(parent, attr, ScaledDotProductAttention.Config())
-    return cfg.build()
+    from torchtitan.config import JobConfig
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+
+    args = copy.deepcopy(deepseekv3_args["debugmodel"])  # update_from_config writes into it
+    args.n_layers = layers
+    args.update_from_config(job_config or JobConfig())
+    return args
+
+
+def debug_model(layers=2):
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+
+    return DeepSeekV3Model(debug_args(layers))
 
 
 @needs_torchtitan
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_128"])
 def test_debug_model_forward_backward_with_converter(recipe):
-    from mxmoe.integrations.torchtitan import MXMoEConverter, MXMoEGroupedExperts
+    from torchtitan.models.moe import utils
+
+    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts, convert_grouped_experts
 
     torch.manual_seed(0)
     ref = debug_model()
-    ref.init_states()
-    model = debug_model([MXMoEConverter.Config(recipe=recipe)])
+    with torch.no_grad():  # the trainer runs it so (torchtitan 0.2.2 writes some weights in place)
+        ref.init_weights(buffer_device=torch.device("cpu"))
+    model = debug_model()
+    old = utils.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        names = convert_grouped_experts(model, recipe)
+    finally:
+        utils.set_token_group_alignment_size_m(old)
+    assert names == ["layers.1.moe.experts"]  # layer 0 is dense
     assert model.state_dict().keys() == ref.state_dict().keys()  # checkpoints interchangeable
     model.load_state_dict(ref.state_dict())
     experts = [m for m in model.modules() if isinstance(m, MXMoEGroupedExperts)]
-    assert len(experts) == 1  # layer 0 is dense
-    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(2))
+    toks = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(2))
     losses = []
     for mdl in (ref, model):
-        logits = mdl(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+        logits = mdl(toks)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), toks.roll(-1, 1).flatten())
         loss.backward()
         losses.append(loss.item())
     assert abs(losses[1] - losses[0]) < 0.02 * losses[0]
@@ -277,22 +307,3 @@ def test_debug_model_forward_backward_with_converter(recipe):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     for e in experts:
         assert all(float(p.grad.norm()) > 0 for p in e.parameters())
-
-
-@needs_torchtitan
-def test_padding_dispatcher_with_torchtitans_experts_eager_and_compiled():
-    """The padded groups change nothing for torchtitan's own BF16 experts (zero rows), bit for bit, and the
-    dispatcher traces as one graph (torchtitan compiles each block with fullgraph=True). On the CPU the
-    mxmoe products themselves do not compile (their reference loops branch on group sizes); on CUDA they
-    are custom ops."""
-    from mxmoe.integrations.torchtitan import MXMoETokenDispatcher
-
-    cfg, m = routed_experts(64, 128, 8, 2)
-    x, s, ids, counts = routing(96, 8, 2, 64)
-    padded = replace(cfg, token_dispatcher=MXMoETokenDispatcher.Config(num_experts=8, top_k=2, align=32)).build()
-    padded.load_state_dict(m.state_dict())
-    ref = run(m, x, s, ids, counts)
-    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as torchtitan's apply_compile sets
-        for mod in (padded, torch.compile(padded, fullgraph=True, backend="aot_eager")):
-            for a, b in zip(run(mod, x, s, ids, counts), ref):
-                assert torch.equal(a, b)

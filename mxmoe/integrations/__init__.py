@@ -2,6 +2,6 @@
 ``import mxmoe`` imports none of them (they are optional dependencies: ``pip install 'mxmoe[torchtitan]'``).
 
 ==============  =====================================================================================
-``torchtitan``  a torchtitan (0.3.0) model converter and override: its MoE experts on mxmoe's recipes
+``torchtitan``  a torchtitan (0.2.2) model converter: its MoE experts on mxmoe's recipes
 ==============  =====================================================================================
 """
