@@ -157,15 +157,15 @@ def main():
     print(meta, flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for shape in args.shapes.split(","):
         for proj in args.projs.split(","):
             for bal in args.balances.split(","):
                 rows.append(run_case(shape, proj, bal, args.quick, gen, ms))
                 print_row(rows[-1])
                 torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                with open(args.out, "w") as f:  # after every case: a run cut short keeps what it measured
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
