@@ -1162,12 +1162,25 @@ def run(cfg: TrainConfig) -> dict:
     return metrics
 
 
+def _umask() -> int:
+    """The process's umask: from ``/proc/self/status`` where Linux has it (reading it changes nothing), else
+    by setting it and putting it back at once (not safe against another thread creating files meanwhile)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def _umask_mode(path: Path) -> None:
     """Give ``path`` the mode a plain ``open(path, "w")`` would: ``0o666`` less the umask (temp files,
     safetensors' among them, are created ``0o600``)."""
-    umask = os.umask(0o022)  # reading the umask sets it: put it back at once
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def save_model(weights: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
