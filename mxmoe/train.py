@@ -75,7 +75,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from mxmoe import parallel
-from mxmoe.corpus import load_corpus, load_stdlib, python_roots, resolve_source  # noqa: F401 (load_stdlib: re-exported)
+from mxmoe.corpus import load_corpus, python_roots, resolve_source
 from mxmoe.moe import MoE
 
 VOCAB = 256  # byte-level: one token per byte

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from mxmoe.cli import main
-from mxmoe.train import MoELM, load_stdlib, make_config
+from mxmoe.corpus import load_stdlib
+from mxmoe.train import MoELM, make_config
 
 STEPS = 40
 
