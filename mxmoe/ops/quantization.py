@@ -74,8 +74,24 @@ def weight_block(recipe: Recipe) -> tuple[int, int]:
     return recipe.weight_group
 
 
-def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int, be: Backend | None = None) -> MXTensor:
-    """Expert weights ``[E, N, K]`` quantized along ``axis`` (-1: K for fprop, -2: N for dgrad)."""
+def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int, be: Backend | None = None, *,
+                    blocked: bool = False) -> MXTensor:
+    """Expert weights ``[E, N, K]`` quantized along ``axis`` (-1: K for fprop, -2: N for dgrad) in the
+    recipe's scale groups (:func:`quantize`'s contract: TypeError / ValueError for bad dtypes or sizes).
+
+    ``blocked`` (where :meth:`~mxmoe.backend.Backend.blocked_weight_scales` says so; 1x32 weights): where the
+    kernel runs (:func:`mxmoe.kernels.dispatch.quantize_weight_blocked_cuda`: the backend's kernels, so CUDA,
+    or CPU tensors under Triton's interpreter in tests) the result also carries each expert's scales in the
+    blocked layout the sm_100 product reads (:attr:`~mxmoe.formats.MXTensor.grouped`, per expert), written
+    in the same pass; data and row-major scales are the same bit for bit either way.
+    """
+    be = be or resolve(w.device)
+    if blocked and isinstance(w, torch.Tensor) and weight_block(recipe) == (1, BLOCK):
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_weight_blocked_cuda(w, axis, recipe.scale_rule, be)
+        if out is not None:
+            return out
     return quantize(w, axis, recipe.scale_rule, weight_block(recipe), backend=be)
 
 
