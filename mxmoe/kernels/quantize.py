@@ -32,6 +32,9 @@ Scale layouts (``scale_layout``), for a row-major scale matrix ``[rows, cols]`` 
   ceil4(rows)]``, zero padded; for :func:`quantize_32x32` one value per tile,
   ``[.., K/32, ceil4(N/32)]`` (and ``[.., N/32, ceil4(K/32)]`` for the transposed copy).
 
+``quantize_rowwise`` and ``quantize_columnwise`` also write, with ``blocked_copy``, a blocked copy of their
+row-major scales from the same pass (the sm_100 product's expert weights).
+
 Exactness: data and scales equal :func:`mxmoe.formats.quantize` byte for byte (both scale rules,
 zero / subnormal / NaN / Inf blocks); the tests check it under ``TRITON_INTERPRET=1`` on CPU and
 on the GPU. The kernels are in :mod:`mxmoe.kernels.quantize_triton` (imported on first use, so
@@ -438,8 +441,8 @@ def quantize_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
         scale_layout: ``"row_major"`` -> scales ``[.., M, K/32]``; ``"blocked"`` -> flat 128x4
             blocked scales ``[.., blocked_numel(M, K/32)]`` (per batch entry), zero padded;
             ``"sm90"`` -> FP32 ``[.., K/32, ceil4(M)]`` (see the module docstring).
-        blocked_copy: with ``"row_major"`` scales, also write them blocked (from the same pass; the Triton
-            kernel, also on sm_90): a third item, ``float8_e8m0fnu`` ``[.., blocked_numel(M, K/32)]``.
+        blocked_copy: with ``"row_major"`` scales, also write them blocked, from the same pass: a third
+            item, ``float8_e8m0fnu`` ``[.., blocked_numel(M, K/32)]`` (sm_100 weights: :func:`rowwise_mxtensor`).
     Returns:
         ``(data, scale)``: ``float8_e4m3fn`` ``[.., M, K]`` contiguous, ``float8_e8m0fnu`` scales;
         equal to ``formats.quantize(x, axis=-1)`` (and ``layouts.to_blocked`` of its scales); with
