@@ -127,6 +127,14 @@ class Backend:
         return (recipe.mxfp8 and self.kernels and recipe.act_block == 32
                 and self.recipe_routes(recipe)["fprop"] == "sm100")
 
+    def blocked_weight_scales(self, recipe) -> bool:
+        """Whether ``recipe``'s expert weights, along K for fprop and along N for dgrad, are quantized with
+        their scales also written in the per-expert blocked layout the sm_100 product reads (so no
+        re-layout runs in torch): the sm_100 route with the Triton kernels, 1x32 weight blocks (square
+        tiles come from the two-orientation kernel, whose dgrad copy is saved for backward without it)."""
+        return (recipe.mxfp8 and self.kernels and recipe.weight_block == 1
+                and self.recipe_routes(recipe)["fprop"] == "sm100")
+
     def expansion(self, recipe) -> bool:
         """Whether ``recipe``'s expert products all take the Hopper expansion route, so the QDQ
         kernels may write their BF16 operands directly (1x32 activations, 1x32 / 32x32 weights)."""

@@ -122,20 +122,28 @@ def normalize_block(block) -> tuple[int, int]:
 
 
 class GroupedScale(NamedTuple):
-    """The scales of an MXTensor ``[M, K]`` quantized along K (rows grouped by expert) in the per-group
-    blocked layout the sm_100 grouped product reads (:func:`mxmoe.layouts.to_blocked_grouped`).
+    """An MXTensor's scales in the 128x4 blocked layout the sm_100 grouped product reads
+    (:mod:`mxmoe.layouts`), laid out from the scale matrix with the quantized axis last. Two forms:
+
+    * per group (``offs`` a tensor): a 2D tensor ``[M, K]`` quantized along K, rows grouped by expert,
+      each group blocked from a 128-row boundary (:func:`mxmoe.layouts.to_blocked_grouped`);
+    * per expert (``offs`` None): a 3D tensor ``[E, R, C]`` (expert weights) quantized along one of its
+      last two dims, each expert's scale matrix (``[R, C/32]`` along C, ``[C, R/32]`` along R) blocked
+      on its own and stacked: ``torch.stack([to_blocked(s_e) for each expert])``.
 
     Attributes:
-        scale: flat ``float8_e8m0fnu``, ``blocked_offs[-1] * ceil(K/128)*4`` entries: each group's rows
-            blocked (128x4 tiles) from a 128-row boundary, zero padding included.
-        offs: int32 ``[E]`` cumulative end rows of the groups the layout was made for.
-        blocked_offs: int32 ``[E]`` padded end rows (:func:`mxmoe.layouts.blocked_group_offsets` of ``offs``).
-        rows: ``blocked_offs[-1]`` (0 without groups) as a host int, so consumers check sizes without a sync.
+        scale: ``float8_e8m0fnu``, zero padding included. Per group: flat, ``rows * ceil(K/128)*4``
+            entries. Per expert: ``[E, blocked_numel(r, c)]`` for each expert's ``[r, c]`` scale matrix.
+        offs: per group, int32 ``[E]`` cumulative end rows of the groups the layout was made for; else None.
+        blocked_offs: per group, int32 ``[E]`` padded end rows (:func:`mxmoe.layouts.blocked_group_offsets`
+            of ``offs``); else None.
+        rows: host int, so consumers check sizes without a sync. Per group: ``blocked_offs[-1]`` (0
+            without groups); per expert: the padded rows of each expert's matrix, ``ceil(r/128)*128``.
     """
 
     scale: torch.Tensor
-    offs: torch.Tensor
-    blocked_offs: torch.Tensor
+    offs: torch.Tensor | None
+    blocked_offs: torch.Tensor | None
     rows: int
 
 
@@ -154,10 +162,13 @@ class MXTensor:
             always stored per 32 elements (replicated over coarser groups), so the tensor is a
             standard 1x32 MX tensor along ``axis``; for square tiles :meth:`requantize_free_swap`
             gives the other orientation with no new rounding.
-        grouped: optional :class:`GroupedScale`, the same scales in the per-group blocked layout (a 2D
-            tensor quantized along its last dim, from the grouped quantization kernel); ``scale`` stays
-            the row-major copy, valid for every other use. Views and derived tensors (:meth:`transpose`,
-            :meth:`requantize_free_swap`) and tensors saved for backward do not keep it.
+        grouped: optional :class:`GroupedScale`, the same scales in the blocked layout the sm_100 product
+            reads: per group (a 2D tensor quantized along its last dim, from the grouped quantization
+            kernel) or per expert (3D expert weights, from the quantization kernels' blocked copy);
+            ``scale`` stays the row-major copy, valid for every other use. It describes the scales with
+            the quantized axis last, so swapping the last two dims (:meth:`transpose`, ``mT``) keeps it;
+            other transposes, derived tensors (:meth:`requantize_free_swap`) and tensors saved for
+            backward do not.
     """
 
     data: torch.Tensor
@@ -192,15 +203,17 @@ class MXTensor:
         return (self.data.to(work) * s).to(dtype)
 
     def transpose(self, dim0: int, dim1: int) -> "MXTensor":
-        """A view with two dims swapped (data and scale alike); the quantized axis follows."""
+        """A view with two dims swapped (data and scale alike); the quantized axis follows, and
+        :attr:`grouped` is kept where the last two dims are swapped (dropped otherwise)."""
         nd = self.data.dim()
         dim0, dim1 = dim0 % nd, dim1 % nd
         axis = {dim0: dim1, dim1: dim0}.get(self.axis, self.axis)
         block = self.block
-        if block[0] > 1 and dim0 != dim1 and {dim0, dim1} != {nd - 2, nd - 1}:
+        last_two = dim0 == dim1 or {dim0, dim1} == {nd - 2, nd - 1}
+        if block[0] > 1 and not last_two:
             block = (1, block[1])  # the tiles no longer lie on the last two dims: groups along the axis only
         return MXTensor(self.data.transpose(dim0, dim1), self.scale.transpose(dim0, dim1), axis,
-                        self.scale_rule, block)
+                        self.scale_rule, block, self.grouped if last_two else None)
 
     @property
     def mT(self) -> "MXTensor":

@@ -17,6 +17,11 @@ def test_fake_shapes():
         assert (d.shape, d.dtype, s.shape, s.dtype) == ((8, 64, 96), E4M3, (8, 64, 3), E8M0)
         dt, st = ops.quantize_columnwise(x, "rceil")
         assert (dt.shape, st.shape) == ((8, 96, 64), (8, 96, 2))
+        w = torch.empty(5, 160, 96, device="cuda", dtype=torch.bfloat16)  # sm_100 weights: + blocked scales
+        assert [(t.shape, t.dtype) for t in ops.quantize_rowwise_blocked(w, "rceil")] == [
+            ((5, 160, 96), E4M3), ((5, 160, 3), E8M0), ((5, 256 * 4), E8M0)]
+        assert [(t.shape, t.dtype) for t in ops.quantize_columnwise_blocked(w, "floor")] == [
+            ((5, 96, 160), E4M3), ((5, 96, 5), E8M0), ((5, 128 * 8), E8M0)]
         x2 = torch.empty(64, 96, device="cuda", dtype=torch.float32)
         assert [t.shape for t in ops.quantize_dual(x2, "floor")] == [(64, 96), (64, 3), (96, 64), (96, 2)]
         assert [t.shape for t in ops.quantize_32x32(x, "rceil")] == [(8, 64, 96), (8, 64, 3), (8, 96, 64), (8, 96, 2)]

@@ -74,6 +74,23 @@ def quantize_grouped_cuda(x: torch.Tensor, offs: torch.Tensor, scale_rule: str, 
     return q.grouped_rowwise_mxtensor(data, scale, blocked, offs, blocked_offs, scale_rule)
 
 
+def quantize_weight_blocked_cuda(w: torch.Tensor, axis: int, scale_rule: str, be: Backend):
+    """Expert weights ``w [E, N, K]`` along ``axis`` (-1: K, fprop; -2: N, dgrad) in 1x32 blocks, with the
+    scales also in the per-expert blocked layout the sm_100 product reads, carried as
+    :attr:`~mxmoe.formats.MXTensor.grouped` (``offs`` None), from one pass of the kernel; None where it does
+    not cover the case (not 3D, a dtype other than bf16/fp16/fp32, the axis' size not a multiple of 32,
+    another axis, no kernels). :meth:`~mxmoe.backend.Backend.blocked_weight_scales` says when to call it."""
+    if w.dim() != 3 or w.dtype not in _QUANT_DTYPES or not be.kernels or axis % 3 not in (1, 2) or w.shape[axis] % 32:
+        return None
+    from mxmoe.kernels import quantize as q
+
+    if axis % 3 == 2:
+        data, scale, blocked = _ops().quantize_rowwise_blocked(w, scale_rule)
+        return q.rowwise_mxtensor(data, scale, scale_rule, blocked=blocked)
+    data_t, scale_t, blocked = _ops().quantize_columnwise_blocked(w, scale_rule)
+    return q.columnwise_mxtensor(data_t, scale_t, scale_rule, blocked=blocked)
+
+
 def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int, be: Backend):
     """2D ``[M, K]`` along K and along M in 1 x ``group`` blocks (32 or 128) from one read, or None."""
     if (x.dim() != 2 or x.dtype not in _QUANT_DTYPES or x.shape[0] % group or x.shape[1] % group

@@ -32,6 +32,9 @@ Scale layouts (``scale_layout``), for a row-major scale matrix ``[rows, cols]`` 
   ceil4(rows)]``, zero padded; for :func:`quantize_32x32` one value per tile,
   ``[.., K/32, ceil4(N/32)]`` (and ``[.., N/32, ceil4(K/32)]`` for the transposed copy).
 
+``quantize_rowwise`` and ``quantize_columnwise`` also write, with ``blocked_copy``, a blocked copy of their
+row-major scales from the same pass (the sm_100 product's expert weights).
+
 Exactness: data and scales equal :func:`mxmoe.formats.quantize` byte for byte (both scale rules,
 zero / subnormal / NaN / Inf blocks); the tests check it under ``TRITON_INTERPRET=1`` on CPU and
 on the GPU. The kernels are in :mod:`mxmoe.kernels.quantize_triton` (imported on first use, so
@@ -314,10 +317,13 @@ def _alloc_scales(B: int, rows: int, cols: int, layout: int, device) -> torch.Te
 # ----------------------------------------------------------------------------------------------
 
 def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: bool, tile32: bool, name: str,
-               group: int = BLOCK):
+               group: int = BLOCK, blocked_copy: bool = False):
     """mx_quantize_kernel (or the Gluon kernel) on x; group 128: 1x128 / 128x1 groups, with tile32 128x128 tiles
-    (whose rows need not fill the last tile when there is no transposed copy: col False)."""
+    (whose rows need not fill the last tile when there is no transposed copy: col False). ``blocked_copy``
+    (row-major scales only, Triton kernel): each output's scales also in the blocked layout, returned after it."""
     layout = _layout(scale_layout)
+    if blocked_copy and layout != 0:
+        raise ValueError(f"{name}: a blocked copy of the scales goes with row-major scales, got {scale_layout!r}")
     rceil = _rule(scale_rule)
     # M: whole groups for a column output, whole 32-row blocks for tiles without one
     x3, was_2d = _check(x, name, need_k32=row or tile32, need_m32=col or tile32, group=group,
@@ -330,21 +336,23 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
     def finish(t, dtype):
         return (t[0] if was_2d else t).view(dtype)
 
-    qr = sr = qc = sc = None
+    qr = sr = qc = sc = br = bc = None
     compact = tile32 and layout == 2  # the Hopper layout keeps one value per 32x32 tile
     if row:
         qr = torch.empty(B, M, K, dtype=torch.uint8, device=dev)
         sr = _alloc_scales(B, M // BLOCK if compact else M, K // BLOCK, layout, dev)
+        br = _alloc_scales(B, M, K // BLOCK, 1, dev) if blocked_copy else None
     if col:
         qc = torch.empty(B, K, M, dtype=torch.uint8, device=dev)
         sc = _alloc_scales(B, K // BLOCK if compact else K, M // BLOCK, layout, dev)
+        bc = _alloc_scales(B, K, M // BLOCK, 1, dev) if blocked_copy else None
     if x3.numel() > 0 and B > 0:
         BM, BK, num_warps, persistent = _config_2d(row, col, tile32) if group == BLOCK else \
             _config_128(row, col, tile32)
-        cover = 128 if layout == 1 or compact else 1
+        cover = 128 if layout == 1 or compact or blocked_copy else 1
         m_cover = -(-M // cover) * cover
         k_cover = -(-K // cover) * cover
-        if col and _use_gluon(x3) and group in _GLUON_GROUPS:
+        if col and not blocked_copy and _use_gluon(x3) and group in _GLUON_GROUPS:
             _launch_gluon(x3, qc, sc, qr, sr, m_cover, k_cover, rceil, row=int(row), col=1, layout=layout,
                           tile32=tile32, group=group)
             out = [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)] if row else []
@@ -353,20 +361,25 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
         dummy = qr if qr is not None else qc
         args = (x3, qr if row else dummy, sr if row else dummy, qc if col else dummy, sc if col else dummy,
                 M, K, B, m_cover, k_cover, x3.stride(0), x3.stride(1), x3.stride(2),
-                sr[0].numel() if row else 0, sc[0].numel() if col else 0, rceil)
+                sr[0].numel() if row else 0, sc[0].numel() if col else 0,
+                br if blocked_copy and row else dummy, bc if blocked_copy and col else dummy,
+                br[0].numel() if blocked_copy and row else 0, bc[0].numel() if blocked_copy and col else 0, rceil)
         # tile order: M-fastest (the transposed outputs need it) except rowwise with row-major scales, where
         # K-fastest lets neighbouring programs write a row's scale bytes together; with blocked / Hopper scales
         # it is slower (benchmarks/NOTES_quantize.md)
-        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BM=BM, BK=BK,
-                      SOFT_CVT=_interpreting(), K_FAST=not col and layout == 0, num_warps=num_warps)
+        kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BLOCKED_COPY=blocked_copy,
+                      BM=BM, BK=BK, SOFT_CVT=_interpreting(), K_FAST=not col and layout == 0 and not blocked_copy,
+                      num_warps=num_warps)
         if group != BLOCK:
             kwargs["GROUP"] = group
         _launch_tiles(_kernels().mx_quantize_kernel, args, kwargs, total, persistent, x.device)
     out = []
     if row:
         out += [finish(qr, torch.float8_e4m3fn), finish(sr, scale_dtype)]
+        out += [finish(br, torch.float8_e8m0fnu)] if blocked_copy else []
     if col:
         out += [finish(qc, torch.float8_e4m3fn), finish(sc, scale_dtype)]
+        out += [finish(bc, torch.float8_e8m0fnu)] if blocked_copy else []
     return tuple(out)
 
 
@@ -418,7 +431,7 @@ def _persistent_grid(kernel, args, kwargs, total: int, device: torch.device) -> 
 
 
 def quantize_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
-                     scale_layout: str = "row_major") -> tuple[torch.Tensor, torch.Tensor]:
+                     scale_layout: str = "row_major", blocked_copy: bool = False) -> tuple[torch.Tensor, ...]:
     """MXFP8 along the last dim (1x32 blocks): the fprop operand form.
 
     Args:
@@ -428,30 +441,38 @@ def quantize_rowwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
         scale_layout: ``"row_major"`` -> scales ``[.., M, K/32]``; ``"blocked"`` -> flat 128x4
             blocked scales ``[.., blocked_numel(M, K/32)]`` (per batch entry), zero padded;
             ``"sm90"`` -> FP32 ``[.., K/32, ceil4(M)]`` (see the module docstring).
+        blocked_copy: with ``"row_major"`` scales, also write them blocked, from the same pass: a third
+            item, ``float8_e8m0fnu`` ``[.., blocked_numel(M, K/32)]`` (sm_100 weights: :func:`rowwise_mxtensor`).
     Returns:
         ``(data, scale)``: ``float8_e4m3fn`` ``[.., M, K]`` contiguous, ``float8_e8m0fnu`` scales;
-        equal to ``formats.quantize(x, axis=-1)`` (and ``layouts.to_blocked`` of its scales).
+        equal to ``formats.quantize(x, axis=-1)`` (and ``layouts.to_blocked`` of its scales); with
+        ``blocked_copy`` ``(data, scale, blocked)``, ``blocked[e]`` = ``layouts.to_blocked(scale[e])``.
     Raises:
-        TypeError: bad dtype. ValueError: bad rank, ``K % 32 != 0``, CPU tensor, bad layout/rule.
+        TypeError: bad dtype. ValueError: bad rank, ``K % 32 != 0``, CPU tensor, bad layout/rule,
+        ``blocked_copy`` with a layout other than ``"row_major"``.
     """
-    return _launch_2d(x, scale_rule, scale_layout, row=True, col=False, tile32=False, name="quantize_rowwise")
+    return _launch_2d(x, scale_rule, scale_layout, row=True, col=False, tile32=False, name="quantize_rowwise",
+                      blocked_copy=blocked_copy)
 
 
 def quantize_columnwise(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
-                        scale_layout: str = "row_major") -> tuple[torch.Tensor, torch.Tensor]:
+                        scale_layout: str = "row_major", blocked_copy: bool = False) -> tuple[torch.Tensor, ...]:
     """MXFP8 along dim -2 (32x1 blocks), data written transposed: the dgrad/wgrad operand form.
 
     Args:
         x: ``[M, K]`` or ``[B, M, K]``, bfloat16/float16/float32, CUDA, ``M % 32 == 0``.
-        scale_rule, scale_layout: as :func:`quantize_rowwise`.
+        scale_rule, scale_layout, blocked_copy: as :func:`quantize_rowwise` (the blocked copy is that of
+            ``scale_t``, ``[.., blocked_numel(K, M/32)]``; it keeps the Triton kernel on sm_90).
     Returns:
         ``(data_t, scale_t)``: ``float8_e4m3fn`` ``[.., K, M]`` contiguous (M fastest) and scales
         ``[.., K, M/32]`` (or blocked of that matrix). ``data_t.mT`` equals
-        ``formats.quantize(x, axis=-2).data``; see :func:`columnwise_mxtensor`.
+        ``formats.quantize(x, axis=-2).data``; see :func:`columnwise_mxtensor`. With ``blocked_copy``
+        ``(data_t, scale_t, blocked)``, ``blocked[e]`` = ``layouts.to_blocked(scale_t[e])``.
     Raises:
         TypeError / ValueError as :func:`quantize_rowwise` (``M % 32`` instead of ``K % 32``).
     """
-    return _launch_2d(x, scale_rule, scale_layout, row=False, col=True, tile32=False, name="quantize_columnwise")
+    return _launch_2d(x, scale_rule, scale_layout, row=False, col=True, tile32=False, name="quantize_columnwise",
+                      blocked_copy=blocked_copy)
 
 
 def quantize_dual(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", scale_layout: str = "row_major"):
@@ -613,10 +634,16 @@ def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: Sc
 # MXTensor views
 # ----------------------------------------------------------------------------------------------
 
+def _per_expert(blocked: torch.Tensor | None, scale: torch.Tensor) -> GroupedScale | None:
+    """The per-expert carrier of ``blocked``, the blocked copy of ``scale [E, r, c]``, or None."""
+    return None if blocked is None else GroupedScale(blocked, None, None, round_up(scale.shape[-2], 128))
+
+
 def rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, scale_rule: str = "rceil",
-                     block: tuple[int, int] = (1, BLOCK)) -> MXTensor:
-    """MXTensor of :func:`quantize_rowwise` / :func:`quantize_32x32` output (row-major scales)."""
-    return MXTensor(data, scale, data.dim() - 1, ScaleRule(scale_rule).value, block)
+                     block: tuple[int, int] = (1, BLOCK), blocked: torch.Tensor | None = None) -> MXTensor:
+    """MXTensor of :func:`quantize_rowwise` / :func:`quantize_32x32` output (row-major scales); ``blocked``:
+    :func:`quantize_rowwise`'s blocked copy of 3D output, carried per expert (:attr:`MXTensor.grouped`)."""
+    return MXTensor(data, scale, data.dim() - 1, ScaleRule(scale_rule).value, block, _per_expert(blocked, scale))
 
 
 def grouped_rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, blocked: torch.Tensor, offs: torch.Tensor,
@@ -632,13 +659,15 @@ def grouped_rowwise_mxtensor(data: torch.Tensor, scale: torch.Tensor, blocked: t
 
 
 def columnwise_mxtensor(data_t: torch.Tensor, scale_t: torch.Tensor, scale_rule: str = "rceil",
-                        block: tuple[int, int] = (1, BLOCK)) -> MXTensor:
+                        block: tuple[int, int] = (1, BLOCK), blocked: torch.Tensor | None = None) -> MXTensor:
     """Logical ``[.., M, K]`` MXTensor quantized along dim -2, a view of columnwise output.
 
     ``data_t`` ``[.., K, M]`` / ``scale_t`` ``[.., K, M/32]`` (row-major) are the K-major storage;
-    the result's ``.contiguous()`` data and scale equal ``formats.quantize(x, axis=-2)``.
+    the result's ``.contiguous()`` data and scale equal ``formats.quantize(x, axis=-2)``. ``blocked``:
+    :func:`quantize_columnwise`'s blocked copy of 3D output (of ``scale_t``), carried per expert.
     """
-    return MXTensor(data_t, scale_t, data_t.dim() - 1, ScaleRule(scale_rule).value, block).mT
+    return MXTensor(data_t, scale_t, data_t.dim() - 1, ScaleRule(scale_rule).value, block,
+                    _per_expert(blocked, scale_t)).mT
 
 
 # ----------------------------------------------------------------------------------------------

@@ -196,9 +196,10 @@ def _max4(a, AXIS: tl.constexpr):
 
 @triton.jit
 def _quantize_tile(
-    x_raw, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
+    x_raw, t, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b,
+    br_ptr, bc_ptr, br_stride_b, bc_stride_b, rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
-    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
+    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr, BLOCKED_COPY: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, GROUP: tl.constexpr = 32,
 ):
     """Quantize and store one loaded tile (see mx_quantize_kernel)."""
@@ -241,6 +242,8 @@ def _quantize_tile(
             r = tm * BM + mb[:, None, None] * 32 + ii[None, :, None]  # [MB, 32, 1]
             c = tk * NB + nb[None, None, :]  # [1, 1, NB]
             _store_scales(sr_ptr + b64 * sr_stride_b, r, c, byte, M, K // 32, (K // 32 + 3) // 4, ROW_LAYOUT)
+            if BLOCKED_COPY:
+                _store_scales(br_ptr + b64 * br_stride_b, r, c, byte, M, K // 32, (K // 32 + 3) // 4, 1)
     if COL:
         byte = _e8m0_from_amax_bits(amax_c, rceil)  # [MB, NB, 32]
         d = tl.reshape(_quantize_elems(x, byte[:, None, :, :], SOFT_CVT), (BM, BK))
@@ -251,6 +254,8 @@ def _quantize_tile(
             r = tk * BK + nb[None, :, None] * 32 + jj[None, None, :]  # [1, NB, 32]
             c = tm * MB + mb[:, None, None]  # [MB, 1, 1]
             _store_scales(sc_ptr + b64 * sc_stride_b, r, c, byte, K, M // 32, (M // 32 + 3) // 4, COL_LAYOUT)
+            if BLOCKED_COPY:
+                _store_scales(bc_ptr + b64 * bc_stride_b, r, c, byte, K, M // 32, (M // 32 + 3) // 4, 1)
 
 
 @triton.jit(do_not_specialize=["rceil"])
@@ -259,9 +264,10 @@ def mx_quantize_kernel(
     M, K, B, M_cover, K_cover,
     stride_xb, stride_xm, stride_xk,
     sr_stride_b, sc_stride_b,
+    br_ptr, bc_ptr, br_stride_b, bc_stride_b,
     rceil,
     ROW: tl.constexpr, COL: tl.constexpr, TILE32: tl.constexpr,
-    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr,
+    ROW_LAYOUT: tl.constexpr, COL_LAYOUT: tl.constexpr, BLOCKED_COPY: tl.constexpr,
     BM: tl.constexpr, BK: tl.constexpr, SOFT_CVT: tl.constexpr, K_FAST: tl.constexpr, GROUP: tl.constexpr = 32,
 ):
     """MXFP8 of x [B, M, K] (any strides), persistent: program p takes tiles p, p + P, ...
@@ -269,6 +275,8 @@ def mx_quantize_kernel(
     ROW: data qr[b] [M, K] + scales sr[b] [M, K/32] (1x32 blocks along K, or the 32x32 tile's).
     COL: data qc[b] [K, M] (x transposed, M contiguous) + scales sc[b] [K, M/32] (blocks along M).
     TILE32: one scale per 32x32 tile (ROW and COL data then hold the same bytes).
+    BLOCKED_COPY (row-major layouts, not compact): each output's scales also into br[b] / bc[b] in the 128x4
+    blocked layout (layout 1), from the same pass.
     GROUP 128 (docs/DESIGN.md §9): one scale per 128 elements along each output's axis (1x128 along K, 128x1
     along M), with TILE32 per 128x128 tile; scales still stored per 32 (replicated). Needs BK % 128 == 0
     with ROW, BM % 128 == 0 with COL or TILE32.
@@ -292,8 +300,9 @@ def mx_quantize_kernel(
     while t < total:  # (a while loop: the interpreter cannot range over runtime bounds)
         tt_next = _k_fastest(t + nprog, total, n_m, n_k) if K_FAST else t + nprog
         x_next = _load_tile(x_ptr, tt_next, total, n_m, n_k, M, K, stride_xb, stride_xm, stride_xk, BM, BK)
-        _quantize_tile(x, tt, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b, rceil,
-                       ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BM, BK, SOFT_CVT, GROUP)
+        _quantize_tile(x, tt, n_m, n_k, qr_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, sr_stride_b, sc_stride_b,
+                       br_ptr, bc_ptr, br_stride_b, bc_stride_b, rceil,
+                       ROW, COL, TILE32, ROW_LAYOUT, COL_LAYOUT, BLOCKED_COPY, BM, BK, SOFT_CVT, GROUP)
         x = x_next
         tt = tt_next
         t += nprog
@@ -551,8 +560,8 @@ def _fused_dual_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, rceil
     """The fused kernels' outputs of one computed tile x of a [M, K] grid: its rows as BF16 MX values into br
     (1x32), or with ROW_FP8 as E4M3 into br + scales sr (GROUP 32 or 128), and its columns E4M3 qc [K, M] + sc."""
     if ROW_FP8:
-        _quantize_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, 0, 0, rceil,
-                       True, True, False, 0, 0, BM, BK, SOFT_CVT, GROUP)
+        _quantize_tile(x, t, n_m, n_k, br_ptr, sr_ptr, qc_ptr, sc_ptr, M, K, 0, 0, sr_ptr, sc_ptr, 0, 0, rceil,
+                       True, True, False, 0, 0, False, BM, BK, SOFT_CVT, GROUP)
     else:
         _qdq_tile(x, t, n_m, n_k, br_ptr, br_ptr, qc_ptr, sc_ptr, M, K, rceil,
                   True, False, True, False, BM, BK, SOFT_CVT)

@@ -10,8 +10,11 @@ starting on a 128-row boundary; weight scales blocked per expert and stacked) an
 CPU in ``tests/test_sm100_args.py``.
 
 Activation scales arrive already blocked per group where the grouped quantization kernel made them
-(:attr:`mxmoe.formats.MXTensor.grouped`, chosen by :meth:`mxmoe.backend.Backend.grouped_scales`); only
-without them are the row-major scales re-laid here (:func:`mxmoe.layouts.to_blocked_grouped`).
+(:attr:`mxmoe.formats.MXTensor.grouped`, chosen by :meth:`mxmoe.backend.Backend.grouped_scales`), and 1x32
+weight scales blocked per expert where the weight quantization wrote its blocked copy (the same attribute,
+chosen by :meth:`mxmoe.backend.Backend.blocked_weight_scales`); only without them are the row-major scales
+re-laid here (:func:`mxmoe.layouts.to_blocked_grouped`, :func:`mxmoe.layouts.to_blocked` per expert).
+wgrad's 2D x 2D operands (along tokens, blocked per token group) are always re-laid here.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.formats import MXTensor
-from mxmoe.layouts import COL_TILE, round_up, to_blocked, to_blocked_grouped
+from mxmoe.layouts import COL_TILE, blocked_numel, round_up, to_blocked, to_blocked_grouped
 
 
 def _groups_along_cols(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -39,8 +42,9 @@ def _grouped_scale(a: MXTensor, offs: torch.Tensor) -> torch.Tensor:
     """``a``'s carried per-group blocked scales, flat, after checking they were laid out for ``offs`` and
     ``a``'s shape (ValueError otherwise); no host sync when ``offs`` is the tensor they were made for."""
     gs = a.grouped
-    if a.dim() != 2 or a.axis != 1:
-        raise ValueError(f"per-group blocked scales belong to a 2D tensor quantized along its last dim, got {a!r}")
+    if a.dim() != 2 or a.axis != 1 or gs.offs is None:
+        raise ValueError(f"per-group blocked scales belong to a 2D tensor quantized along its last dim, got {a!r} "
+                         f"carrying {'per-expert' if gs.offs is None else 'per-group'} blocked scales")
     if gs.offs is not offs and (gs.offs.shape != offs.shape or gs.offs.device != offs.device
                                 or not torch.equal(gs.offs, offs)):
         raise ValueError(f"the MXTensor's blocked scales were laid out for groups ending at {gs.offs.tolist()}, "
@@ -51,6 +55,21 @@ def _grouped_scale(a: MXTensor, offs: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the MXTensor's blocked scales ({tuple(gs.scale.shape)}, blocked_offs "
                          f"{tuple(gs.blocked_offs.shape)}) do not fit a {tuple(a.shape)} operand in {offs.numel()} "
                          f"groups padded to {rows} rows ({want} entries)")
+    return gs.scale
+
+
+def _expert_scale(b: MXTensor) -> torch.Tensor:
+    """``b [E, K, N]``'s carried per-expert blocked scales ``[E, blocked_numel(N, K/32)]``, after checking
+    their form and shape against ``b`` (ValueError otherwise)."""
+    gs = b.grouped
+    if b.dim() != 3 or b.axis != 1 or gs.offs is not None:
+        raise ValueError(f"per-expert blocked scales belong to a 3D operand [E, K, N] quantized along K, got {b!r} "
+                         f"carrying {'per-expert' if gs.offs is None else 'per-group'} blocked scales")
+    E, K, N = b.shape
+    want = (E, blocked_numel(N, K // 32))
+    if tuple(gs.scale.shape) != want or gs.scale.dtype != b.scale.dtype:
+        raise ValueError(f"the MXTensor's per-expert blocked scales ({tuple(gs.scale.shape)}, {gs.scale.dtype}) do "
+                         f"not fit a {tuple(b.shape)} operand quantized along K ({want}, {b.scale.dtype})")
     return gs.scale
 
 
@@ -68,13 +87,14 @@ def sm100_scaled_grouped_mm_args(a: MXTensor, b: MXTensor, offs: torch.Tensor, o
     ``mat_b [E, K, N]`` with K contiguous, ``scale_a`` = per-group blocked scales
     (:func:`mxmoe.layouts.to_blocked_grouped` of ``a.scale``) reshaped to ``[rows, ceil(K/32/4)*4]``:
     ``a.grouped`` as it is where ``a`` carries it, else re-laid from ``a.scale``;
-    ``scale_b`` = ``[E, blocked_numel(N, K/32)]``.
+    ``scale_b`` = ``[E, blocked_numel(N, K/32)]``, each expert's ``to_blocked(b.scale[e].mT)``: ``b.grouped``
+    (per expert) as it is where ``b`` carries it, else re-laid from ``b.scale``.
     2D x 2D: ``a [N, T]`` (along T), ``b [T, K]`` (along T), token groups multiples of 32 ->
     ``mat_a [N, T]`` row-major, ``mat_b [T, K]`` column-major, scales blocked per token group.
 
     Raises:
         ValueError: 2D x 2D token groups not ending on multiples of 32; ``a.grouped`` laid out for other
-            offsets or not fitting ``a``'s shape.
+            offsets or not fitting ``a``'s shape; ``b.grouped`` not per expert or not fitting ``b``'s shape.
     """
     if b.dim() == 3:
         mat_a = a.data.contiguous()
@@ -84,7 +104,10 @@ def sm100_scaled_grouped_mm_args(a: MXTensor, b: MXTensor, offs: torch.Tensor, o
         else:
             sa, _ = to_blocked_grouped(a.scale.contiguous(), offs)
         scale_a = sa.view(-1, round_up(a.scale.shape[1], COL_TILE))
-        scale_b = torch.stack([to_blocked(b.scale[e].mT.contiguous()) for e in range(b.shape[0])])
+        if b.grouped is not None:
+            scale_b = _expert_scale(b)
+        else:
+            scale_b = torch.stack([to_blocked(b.scale[e].mT.contiguous()) for e in range(b.shape[0])])
     else:
         mat_a = a.data.contiguous()
         mat_b = b.data.mT.contiguous().mT  # [T, K] column-major

@@ -11,6 +11,8 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``quantize_rowwise``        x ``[..., M, K]`` -> data ``[..., M, K]`` e4m3, scale ``[..., M, K/32]`` e8m0
 ``quantize_columnwise``     x ``[..., M, K]`` -> data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``
 ``quantize_dual``           both of the above, from one read
+``quantize_*wise_blocked``  the same (rowwise, columnwise) + the scales in the 128x4 blocked layout,
+                            ``[..., blocked_numel(rows, cols)]`` of the scale matrix (sm_100 weights)
 ``quantize_32x32``          (data, scale, data_t, scale_t), one scale per 32x32 tile
 ``quantize_*_128``          the same with 1x128 groups (rowwise, columnwise, dual) or 128x128 tiles
 ``permute_quantize_128``    (x ``[T, K]``, src ``[M]`` int) -> quantize_dual_128 of ``x[src]`` (src -1: zero row)
@@ -43,6 +45,8 @@ import types
 
 import torch
 
+from mxmoe.layouts import blocked_numel
+
 E4M3, E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -68,6 +72,12 @@ def _col(x):
     return x.new_empty((*lead, K, M), dtype=E4M3), x.new_empty((*lead, K, M // 32), dtype=E8M0)
 
 
+def _blocked(x, transposed: bool):
+    lead, M, K = x.shape[:-2], x.shape[-2], x.shape[-1]
+    n = blocked_numel(K, M // 32) if transposed else blocked_numel(M, K // 32)
+    return x.new_empty((*lead, n), dtype=E8M0)
+
+
 @_op
 def quantize_rowwise(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     from mxmoe.kernels import quantize as q
@@ -80,6 +90,20 @@ def quantize_columnwise(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor,
     from mxmoe.kernels import quantize as q
 
     return q.quantize_columnwise(x, scale_rule)
+
+
+@_op
+def quantize_rowwise_blocked(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return q.quantize_rowwise(x, scale_rule, blocked_copy=True)
+
+
+@_op
+def quantize_columnwise_blocked(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return q.quantize_columnwise(x, scale_rule, blocked_copy=True)
 
 
 @_op
@@ -272,6 +296,8 @@ def sm90_mx128_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
 
 quantize_rowwise.register_fake(lambda x, scale_rule: _row(x))
 quantize_columnwise.register_fake(lambda x, scale_rule: _col(x))
+quantize_rowwise_blocked.register_fake(lambda x, scale_rule: (*_row(x), _blocked(x, transposed=False)))
+quantize_columnwise_blocked.register_fake(lambda x, scale_rule: (*_col(x), _blocked(x, transposed=True)))
 quantize_dual.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 quantize_32x32.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 quantize_rowwise_128.register_fake(lambda x, scale_rule: _row(x))

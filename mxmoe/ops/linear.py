@@ -103,7 +103,7 @@ def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool, be: Backen
         if recipe.weight_block == BLOCK:  # 32x32 tiles: the values along K are those along N
             return dispatch.qdq_rowwise(w.detach(), recipe.scale_rule, True)
         return dispatch.qdq_columnwise(w.detach(), recipe.scale_rule).mT
-    return quantize_weight(w, recipe, -2, be)
+    return quantize_weight(w, recipe, -2, be, blocked=be.blocked_weight_scales(recipe))
 
 
 class _MXGroupedLinear(torch.autograd.Function):
@@ -144,7 +144,8 @@ class _MXGroupedLinear(torch.autograd.Function):
         elif recipe.weight_block > 1 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
             wq, w_dgrad = quantize_weight_both(w, recipe, be)
         else:
-            wq, w_dgrad = quantize_weight(w, recipe, -1, be), None  # [E, N, K] along K
+            wq = quantize_weight(w, recipe, -1, be, blocked=be.blocked_weight_scales(recipe))  # [E, N, K] along K
+            w_dgrad = None
         y = _product(xq, wq.mT, offs, x.dtype, be)
         # backward operands, quantized now so FP8 (not BF16) is what is kept
         if x_saved is None:

@@ -74,8 +74,34 @@ def weight_block(recipe: Recipe) -> tuple[int, int]:
     return recipe.weight_group
 
 
-def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int, be: Backend | None = None) -> MXTensor:
-    """Expert weights ``[E, N, K]`` quantized along ``axis`` (-1: K for fprop, -2: N for dgrad)."""
+def quantize_weight(w: torch.Tensor, recipe: Recipe, axis: int, be: Backend | None = None, *,
+                    blocked: bool = False) -> MXTensor:
+    """Expert weights quantized along ``axis`` in the recipe's scale groups (:func:`weight_block`).
+
+    Args:
+        w: ``[E, N, K]`` float16/bfloat16/float32/float64 weights, the quantized dim a multiple of the group.
+        recipe: an MXFP8 :class:`~mxmoe.recipes.Recipe` (its ``scale_rule`` and ``weight_block``).
+        axis: -1 (K, fprop's operand) or -2 (N, dgrad's).
+        be: the kernels (:func:`mxmoe.backend.resolve` of ``w.device`` by default).
+        blocked: where :meth:`~mxmoe.backend.Backend.blocked_weight_scales` says so (1x32 weights): where the
+            kernel runs (:func:`mxmoe.kernels.dispatch.quantize_weight_blocked_cuda`: the backend's kernels,
+            so CUDA, or CPU tensors under Triton's interpreter in tests) the result also carries each
+            expert's scales in the blocked layout the sm_100 product reads (:attr:`~mxmoe.formats.MXTensor.grouped`
+            per expert, ``float8_e8m0fnu`` ``[E, blocked_numel(r, c)]`` of the ``[r, c]`` scale matrix with
+            the quantized axis last), written in the same pass. Data and row-major scales are the same bit
+            for bit either way.
+    Returns:
+        :class:`~mxmoe.formats.MXTensor` ``[E, N, K]`` (E4M3 data, E8M0 scales).
+    Raises:
+        TypeError, ValueError: as :func:`mxmoe.formats.quantize`.
+    """
+    be = be or resolve(w.device)
+    if blocked and isinstance(w, torch.Tensor) and weight_block(recipe) == (1, BLOCK):
+        from mxmoe.kernels import dispatch
+
+        out = dispatch.quantize_weight_blocked_cuda(w, axis, recipe.scale_rule, be)
+        if out is not None:
+            return out
     return quantize(w, axis, recipe.scale_rule, weight_block(recipe), backend=be)
 
 
