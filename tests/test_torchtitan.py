@@ -307,3 +307,128 @@ def test_debug_model_forward_backward_with_converter(recipe):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     for e in experts:
         assert all(float(p.grad.norm()) > 0 for p in e.parameters())
+
+
+# The issue's "keep what torchtitan gives": distributed checkpoints, FSDP2, activation checkpointing.
+
+
+def _unconverted_and_converted(recipe, layers=2):
+    """The debug model (torchtitan's init) and a second one, differently initialized, converted."""
+    from torchtitan.models.moe import utils
+
+    from mxmoe.integrations.torchtitan import convert_grouped_experts
+
+    torch.manual_seed(0)
+    ref = debug_model(layers)
+    with torch.no_grad():
+        ref.init_weights(buffer_device=torch.device("cpu"))
+    torch.manual_seed(1)
+    model = debug_model(layers)
+    old = utils.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        convert_grouped_experts(model, recipe)
+    finally:
+        utils.set_token_group_alignment_size_m(old)
+    return ref, model
+
+
+def _debug_tokens(batch=2, seq=64, seed=2):
+    return torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss_and_grads(model, toks):
+    for p in model.parameters():
+        p.grad = None
+    logits = model(toks)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), toks.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@needs_torchtitan
+def test_distributed_checkpoint_of_unconverted_model_loads_into_converted(tmp_path):
+    """Same state-dict keys, shapes and dtypes; a torch.distributed.checkpoint save of the unconverted
+    model (single process, no process group) loads into the converted one, which then computes the
+    unconverted model's logits and gradients (fp32 recipe: exact plumbing)."""
+    import torch.distributed.checkpoint as dcp
+
+    ref, model = _unconverted_and_converted("fp32")
+    sd_ref, sd = ref.state_dict(), model.state_dict()
+    assert list(sd) == list(sd_ref)
+    for k in sd_ref:
+        assert (sd[k].shape, sd[k].dtype) == (sd_ref[k].shape, sd_ref[k].dtype), k
+    assert any(not torch.equal(sd[k], sd_ref[k]) for k in sd if "experts" in k)  # loading has work to do
+    dcp.save(sd_ref, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)  # in place, into the parameters
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd_ref[k]), k
+    toks = _debug_tokens()
+    (l_ref, g_ref), (l, g) = _loss_and_grads(ref, toks), _loss_and_grads(model, toks)
+    assert rel(l, l_ref) < 1e-5
+    assert g.keys() == g_ref.keys()
+    for n in g_ref:
+        assert rel(g[n], g_ref[n]) < 1e-4, n
+    # and back: the converted model's checkpoint into a fresh unconverted one
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "ckpt2"), no_dist=True)
+    torch.manual_seed(3)
+    fresh = debug_model(2)
+    sd_fresh = fresh.state_dict()
+    dcp.load(sd_fresh, checkpoint_id=str(tmp_path / "ckpt2"), no_dist=True)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, sd_ref[k]), k
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_128"])
+@pytest.mark.parametrize("fused_swiglu", [True, False])
+def test_activation_checkpointing_of_moe_layer_gives_the_same_gradients(recipe, fused_swiglu):
+    """torch.utils.checkpoint (non-reentrant, as torchtitan's) around the MoE layer with converted experts:
+    the recomputed forward quantizes the same way, so output and gradients are bitwise the plain ones."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = converted(moe_layer(128, 128, 8, 2), recipe, fused_swiglu=fused_swiglu)
+    x = tokens(96, 128)
+
+    class AC(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+            self.router, self.experts = m.router, m.experts
+
+        def forward(self, x):
+            return checkpoint(self.m, x, use_reentrant=False)
+
+    plain, ac = run(m, x), run(AC(m), x)
+    for a, b in zip(ac, plain):
+        assert torch.equal(a, b)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("mode", ["full", "selective_op"])
+def test_torchtitans_apply_ac_on_converted_debug_model(mode):
+    """torchtitan's apply_ac (full, and per-op selective with DeepSeek-V3's save list) on the converted
+    debug model: loss and gradients bitwise those without checkpointing."""
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list
+
+    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
+
+    ref, model = _unconverted_and_converted("mxfp8")
+    model.load_state_dict(ref.state_dict())
+    toks = _debug_tokens()
+    l0, g0 = _loss_and_grads(model, toks)
+    cfg = ActivationCheckpoint(mode="full") if mode == "full" else ActivationCheckpoint(
+        mode="selective", selective_ac_option="op")
+    try:
+        apply_ac(model, cfg, op_sac_save_list=_op_sac_save_list)
+    finally:
+        torch._C._dynamo.eval_frame._set_lru_cache(True)  # apply_ac turns dynamo's LRU cache off
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in model.layers.values())
+    assert sum(isinstance(m, MXMoEGroupedExperts) for m in model.modules()) == 1
+    l1, g1 = _loss_and_grads(model, toks)
+    assert torch.equal(l0, l1)
+    g1 = {n.replace("_checkpoint_wrapped_module.", ""): v for n, v in g1.items()}
+    assert g1.keys() == g0.keys()
+    for n in g0:
+        assert torch.equal(g1[n], g0[n]), n
