@@ -432,3 +432,66 @@ def test_torchtitans_apply_ac_on_converted_debug_model(mode):
     assert g1.keys() == g0.keys()
     for n in g0:
         assert torch.equal(g1[n], g0[n]), n
+
+
+def _fsdp2_worker(rank, world, init_file, recipe):
+    """One rank of test_fsdp2_...: torchtitan's apply_fsdp on the converted debug model (gloo, CPU)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+
+    histc = torch.histc  # the fixture's patch, in this process
+    torch.histc = lambda i, *a, **k: histc(i.float(), *a, **k).to(i.dtype) if not i.is_floating_point() \
+        else histc(i, *a, **k)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ref, model = _unconverted_and_converted(recipe)
+        model.load_state_dict(ref.state_dict())  # the same weights on every rank
+        plain = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+        for m in model.modules():  # its gradient divide factor 1 reduce-scatters with PREMUL_SUM, which
+            if isinstance(m, FSDPModule):  # gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): SUM
+                m.set_force_sum_reduction_for_comms(True)
+        experts = model.layers["1"].moe.experts
+        for w in (experts.w1, experts.w2, experts.w3):
+            assert isinstance(w, DTensor) and w.placements == (Shard(0),), w
+            assert w.to_local().shape[0] == experts.num_experts // world
+        all_toks = [_debug_tokens(1, 32, seed=10 + r) for r in range(world)]
+        loss, grads = _loss_and_grads(model, all_toks[rank])  # gradients summed over ranks (torchtitan's
+        # apply_fsdp turns FSDP's division off: its loss is divided by the global token count instead)
+        for p in plain.parameters():
+            p.grad = None
+        ref_losses = []
+        for t in all_toks:
+            logits = plain(t)
+            lr = F.cross_entropy(logits.flatten(0, 1).float(), t.roll(-1, 1).flatten())
+            lr.backward()
+            ref_losses.append(lr.detach())
+        assert rel(loss, ref_losses[rank]) < 1e-6, (loss, ref_losses[rank])
+        pg = dict(plain.named_parameters())
+        assert grads.keys() == pg.keys()
+        for n, g in grads.items():
+            assert isinstance(g, DTensor), n
+            assert rel(g.full_tensor(), pg[n].grad) < 1e-5, (n, rel(g.full_tensor(), pg[n].grad))
+        for w in ("w1", "w2", "w3"):
+            g = grads[f"layers.1.moe.experts.{w}"]
+            assert g.placements == (Shard(0),) and float(g.full_tensor().norm()) > 0
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_torchtitan
+def test_fsdp2_shards_converted_experts_and_matches_unsharded(tmp_path):
+    """torchtitan's apply_fsdp (FSDP2 fully_shard per block, as its DeepSeek-V3 parallelize calls it
+    without EP) on the converted debug model, 2 ranks on the CPU over gloo: the expert weights are DTensors
+    sharded on dim 0 (4 of the 8 experts a rank); each rank's loss and the reduce-scattered gradients are
+    the unsharded converted model's (summed over both ranks' batches)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "pg"), "mxfp8"), nprocs=2, join=True)
