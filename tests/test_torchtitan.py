@@ -437,6 +437,7 @@ def test_torchtitans_apply_ac_on_converted_debug_model(mode):
 def _fsdp2_worker(rank, world, init_file, recipe):
     """One rank of test_fsdp2_...: torchtitan's apply_fsdp on the converted debug model (gloo, CPU)."""
     import copy
+    import datetime
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -448,7 +449,8 @@ def _fsdp2_worker(rank, world, init_file, recipe):
     torch.histc = lambda i, *a, **k: histc(i.float(), *a, **k).to(i.dtype) if not i.is_floating_point() \
         else histc(i, *a, **k)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # a hung collective fails the test
     try:
         ref, model = _unconverted_and_converted(recipe)
         model.load_state_dict(ref.state_dict())  # the same weights on every rank
@@ -493,5 +495,8 @@ def test_fsdp2_shards_converted_experts_and_matches_unsharded(tmp_path):
     sharded on dim 0 (4 of the 8 experts a rank); each rank's loss and the reduce-scattered gradients are
     the unsharded converted model's (summed over both ranks' batches)."""
     import torch.multiprocessing as mp
+    import torchtitan.models.deepseek_v3  # noqa: F401  (imported once, here, for the forked ranks)
+    import torchtitan.models.llama4.infra.parallelize  # noqa: F401
 
-    mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "pg"), "mxfp8"), nprocs=2, join=True)
+    # forked, not spawned: a spawned rank spends ~10 s importing torchtitan again (inductor, datasets)
+    mp.start_processes(_fsdp2_worker, args=(2, str(tmp_path / "pg"), "mxfp8"), nprocs=2, start_method="fork")
