@@ -4,7 +4,9 @@ torchtitan 0.2.2's own MoE layer (router, reorderer, GroupedExperts) with the ex
 an FP64 per-expert loop on the same weights (and torchtitan's BF16 for-loop experts beside them; its
 grouped_mm path pads through a Triton kernel, CUDA only), the expert-parallel padding with the recipe's
 alignment, the converter through torchtitan's own config parsing, and a forward + backward of
-torchtitan's DeepSeek-V3 debug model with the converter.
+torchtitan's DeepSeek-V3 debug model with the converter; what torchtitan gives, kept: distributed
+checkpoints (DCP, one process), FSDP2 (torchtitan's apply_fsdp, 2 gloo ranks on the CPU) and activation
+checkpointing (torch.utils.checkpoint and torchtitan's apply_ac).
 """
 
 import importlib.util
