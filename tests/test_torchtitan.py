@@ -4,7 +4,9 @@ torchtitan 0.2.2's own MoE layer (router, reorderer, GroupedExperts) with the ex
 an FP64 per-expert loop on the same weights (and torchtitan's BF16 for-loop experts beside them; its
 grouped_mm path pads through a Triton kernel, CUDA only), the expert-parallel padding with the recipe's
 alignment, the converter through torchtitan's own config parsing, and a forward + backward of
-torchtitan's DeepSeek-V3 debug model with the converter.
+torchtitan's DeepSeek-V3 debug model with the converter; what torchtitan gives, kept: distributed
+checkpoints (DCP, one process), FSDP2 (torchtitan's apply_fsdp, 2 gloo ranks on the CPU) and activation
+checkpointing (torch.utils.checkpoint and torchtitan's apply_ac).
 """
 
 import importlib.util
@@ -307,3 +309,207 @@ def test_debug_model_forward_backward_with_converter(recipe):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     for e in experts:
         assert all(float(p.grad.norm()) > 0 for p in e.parameters())
+
+
+# The issue's "keep what torchtitan gives": distributed checkpoints, FSDP2, activation checkpointing.
+
+
+def _unconverted_and_converted(recipe, layers=2):
+    """The debug model (torchtitan's init) and a second one, differently initialized, converted."""
+    from torchtitan.models.moe import utils
+
+    from mxmoe.integrations.torchtitan import convert_grouped_experts
+
+    torch.manual_seed(0)
+    ref = debug_model(layers)
+    with torch.no_grad():
+        ref.init_weights(buffer_device=torch.device("cpu"))
+    torch.manual_seed(1)
+    model = debug_model(layers)
+    old = utils.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        convert_grouped_experts(model, recipe)
+    finally:
+        utils.set_token_group_alignment_size_m(old)
+    return ref, model
+
+
+def _debug_tokens(batch=2, seq=64, seed=2):
+    return torch.randint(0, 2048, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss_and_grads(model, toks):
+    for p in model.parameters():
+        p.grad = None
+    logits = model(toks)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), toks.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@needs_torchtitan
+def test_distributed_checkpoint_of_unconverted_model_loads_into_converted(tmp_path):
+    """Same state-dict keys, shapes and dtypes; a torch.distributed.checkpoint save of the unconverted
+    model (single process, no process group) loads into the converted one, which then computes the
+    unconverted model's logits and gradients (fp32 recipe: exact plumbing)."""
+    import torch.distributed.checkpoint as dcp
+
+    ref, model = _unconverted_and_converted("fp32")
+    sd_ref, sd = ref.state_dict(), model.state_dict()
+    assert list(sd) == list(sd_ref)
+    for k in sd_ref:
+        assert (sd[k].shape, sd[k].dtype) == (sd_ref[k].shape, sd_ref[k].dtype), k
+    assert any(not torch.equal(sd[k], sd_ref[k]) for k in sd if "experts" in k)  # loading has work to do
+    dcp.save(sd_ref, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)  # in place, into the parameters
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, sd_ref[k]), k
+    toks = _debug_tokens(1, 48)
+    (l_ref, g_ref), (l, g) = _loss_and_grads(ref, toks), _loss_and_grads(model, toks)
+    assert rel(l, l_ref) < 1e-5
+    assert g.keys() == g_ref.keys()
+    for n in g_ref:
+        assert rel(g[n], g_ref[n]) < 1e-4, n
+    # and back: the converted model's checkpoint into a fresh unconverted one
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "ckpt2"), no_dist=True)
+    torch.manual_seed(3)
+    fresh = debug_model(2)
+    sd_fresh = fresh.state_dict()
+    dcp.load(sd_fresh, checkpoint_id=str(tmp_path / "ckpt2"), no_dist=True)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, sd_ref[k]), k
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_128"])
+@pytest.mark.parametrize("fused_swiglu", [True, False])
+def test_activation_checkpointing_of_moe_layer_gives_the_same_gradients(recipe, fused_swiglu):
+    """torch.utils.checkpoint (non-reentrant, as torchtitan's) around the MoE layer with converted experts:
+    the recomputed forward quantizes the same way, so output and gradients are bitwise the plain ones."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = converted(moe_layer(128, 128, 8, 2), recipe, fused_swiglu=fused_swiglu)
+    x = tokens(96, 128)
+
+    class AC(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+            self.router, self.experts = m.router, m.experts
+
+        def forward(self, x):
+            return checkpoint(self.m, x, use_reentrant=False)
+
+    plain, ac = run(m, x), run(AC(m), x)
+    for a, b in zip(ac, plain):
+        assert torch.equal(a, b)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("mode", ["full", "selective_op"])
+def test_torchtitans_apply_ac_on_converted_debug_model(mode):
+    """torchtitan's apply_ac (full, and per-op selective with DeepSeek-V3's save list) on the converted
+    debug model: loss and gradients bitwise those without checkpointing."""
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.deepseek_v3.infra.parallelize import _op_sac_save_list
+
+    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
+
+    from torchtitan.models.moe import utils
+
+    from mxmoe.integrations.torchtitan import convert_grouped_experts
+
+    torch.manual_seed(0)
+    model = debug_model(2)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    old = utils.TOKEN_GROUP_ALIGN_SIZE_M
+    try:
+        convert_grouped_experts(model, "mxfp8")
+    finally:
+        utils.set_token_group_alignment_size_m(old)
+    toks = _debug_tokens(1, 48)
+    l0, g0 = _loss_and_grads(model, toks)
+    cfg = ActivationCheckpoint(mode="full") if mode == "full" else ActivationCheckpoint(
+        mode="selective", selective_ac_option="op")
+    try:
+        apply_ac(model, cfg, op_sac_save_list=_op_sac_save_list)
+    finally:
+        torch._C._dynamo.eval_frame._set_lru_cache(True)  # apply_ac turns dynamo's LRU cache off
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in model.layers.values())
+    assert sum(isinstance(m, MXMoEGroupedExperts) for m in model.modules()) == 1
+    l1, g1 = _loss_and_grads(model, toks)
+    assert torch.equal(l0, l1)
+    g1 = {n.replace("_checkpoint_wrapped_module.", ""): v for n, v in g1.items()}
+    assert g1.keys() == g0.keys()
+    for n in g0:
+        assert torch.equal(g1[n], g0[n]), n
+
+
+def _fsdp2_worker(rank, world, init_file, recipe):
+    """One rank of test_fsdp2_...: torchtitan's apply_fsdp on the converted debug model (gloo, CPU)."""
+    import copy
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+    from torchtitan.models.llama4.infra.parallelize import apply_fsdp
+
+    histc = torch.histc  # the fixture's patch, in this process
+    torch.histc = lambda i, *a, **k: histc(i.float(), *a, **k).to(i.dtype) if not i.is_floating_point() \
+        else histc(i, *a, **k)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # a hung collective fails the test
+    try:
+        ref, model = _unconverted_and_converted(recipe)
+        model.load_state_dict(ref.state_dict())  # the same weights on every rank
+        plain = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+        for m in model.modules():  # its gradient divide factor 1 reduce-scatters with PREMUL_SUM, which
+            if isinstance(m, FSDPModule):  # gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): SUM
+                m.set_force_sum_reduction_for_comms(True)
+        experts = model.layers["1"].moe.experts
+        for w in (experts.w1, experts.w2, experts.w3):
+            assert isinstance(w, DTensor) and w.placements == (Shard(0),), w
+            assert w.to_local().shape[0] == experts.num_experts // world
+        all_toks = [_debug_tokens(1, 32, seed=10 + r) for r in range(world)]
+        loss, grads = _loss_and_grads(model, all_toks[rank])  # gradients summed over ranks (torchtitan's
+        # apply_fsdp turns FSDP's division off: its loss is divided by the global token count instead)
+        for p in plain.parameters():
+            p.grad = None
+        ref_losses = []
+        for t in all_toks:
+            logits = plain(t)
+            lr = F.cross_entropy(logits.flatten(0, 1).float(), t.roll(-1, 1).flatten())
+            lr.backward()
+            ref_losses.append(lr.detach())
+        assert rel(loss, ref_losses[rank]) < 1e-6, (loss, ref_losses[rank])
+        pg = dict(plain.named_parameters())
+        assert grads.keys() == pg.keys()
+        for n, g in grads.items():
+            assert isinstance(g, DTensor), n
+            assert rel(g.full_tensor(), pg[n].grad) < 1e-5, (n, rel(g.full_tensor(), pg[n].grad))
+        for w in ("w1", "w2", "w3"):
+            g = grads[f"layers.1.moe.experts.{w}"]
+            assert g.placements == (Shard(0),) and float(g.full_tensor().norm()) > 0
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_torchtitan
+def test_fsdp2_shards_converted_experts_and_matches_unsharded(tmp_path):
+    """torchtitan's apply_fsdp (FSDP2 fully_shard per block, as its DeepSeek-V3 parallelize calls it
+    without EP) on the converted debug model, 2 ranks on the CPU over gloo: the expert weights are DTensors
+    sharded on dim 0 (4 of the 8 experts a rank); each rank's loss and the reduce-scattered gradients are
+    the unsharded converted model's (summed over both ranks' batches)."""
+    import torch.multiprocessing as mp
+    import torchtitan.models.deepseek_v3  # noqa: F401  (imported once, here, for the forked ranks)
+    import torchtitan.models.llama4.infra.parallelize  # noqa: F401
+
+    # forked, not spawned: a spawned rank spends ~10 s importing torchtitan again (inductor, datasets)
+    mp.start_processes(_fsdp2_worker, args=(2, str(tmp_path / "pg"), "mxfp8"), nprocs=2, start_method="fork")
