@@ -124,16 +124,19 @@ class Backend:
         grouped quantization kernel, which writes its scales in the per-group blocked layout the sm_100
         product reads (so no re-layout runs in torch): the sm_100 route with the Triton kernels, 1x32
         activation blocks (the kernel's only group)."""
-        return (recipe.mxfp8 and self.kernels and recipe.act_block == 32
-                and self.recipe_routes(recipe)["fprop"] == "sm100")
+        return self._sm100_kernels(recipe) and recipe.act_block == 32
 
     def blocked_weight_scales(self, recipe) -> bool:
         """Whether ``recipe``'s expert weights, along K for fprop and along N for dgrad, are quantized with
         their scales also written in the per-expert blocked layout the sm_100 product reads (so no
         re-layout runs in torch): the sm_100 route with the Triton kernels, 1x32 weight blocks (square
         tiles come from the two-orientation kernel, whose dgrad copy is saved for backward without it)."""
-        return (recipe.mxfp8 and self.kernels and recipe.weight_block == 1
-                and self.recipe_routes(recipe)["fprop"] == "sm100")
+        return self._sm100_kernels(recipe) and recipe.weight_block == 1
+
+    def _sm100_kernels(self, recipe) -> bool:
+        """An MX recipe whose M-grouped products take the sm_100 route (every MX product does on sm_100,
+        :meth:`gemm_route`), with the Triton quantization kernels on."""
+        return recipe.mxfp8 and self.kernels and self.arch == "sm100"
 
     def expansion(self, recipe) -> bool:
         """Whether ``recipe``'s expert products all take the Hopper expansion route, so the QDQ
