@@ -455,7 +455,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     from seed ``cfg.seed + r``, losses are means over the ranks, tokens/s counts all ranks' tokens
     and the times are this rank's. Collective: every rank must call it with the same arguments.
     """
-    _warm_up_process(device)  # once per process: outside every recipe's wall_s, the first's too
+    _warm_up_process(device)  # outside every recipe's wall_s, the first's too (costs nothing after the first call)
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model = MoELM(cfg, recipe)
