@@ -26,7 +26,7 @@ from mxmoe.backend import Backend, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
 from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
-from mxmoe.ops.linear import MXOperands
+from mxmoe.ops.linear import prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -41,17 +41,6 @@ class Routing:
     rows: int  # M, static padded buffer size
     counts: torch.Tensor  # [E] int64 routed tokens per expert (unpadded)
     backend: Backend  # the kernels of this forward (and its backward), resolved once from x's device
-
-
-def _prequantized(x_mx: "MXTensor | MXOperands | None") -> dict:
-    """grouped_linear's ``x_mx`` / ``x_wgrad`` for an operand's upstream MXFP8 copies: an MXTensor along
-    the features (axis 1, e.g. tokens received in MXFP8) is fprop's, one along rows (axis 0, beside the
-    BF16 MX values) wgrad's, and :class:`~mxmoe.ops.linear.MXOperands` give both."""
-    if isinstance(x_mx, MXOperands):
-        return {"x_mx": x_mx.fprop, "x_wgrad": x_mx.wgrad}
-    if x_mx is not None and x_mx.axis == 0:
-        return {"x_mx": None, "x_wgrad": x_mx}
-    return {"x_mx": x_mx, "x_wgrad": None}
 
 
 def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
@@ -197,10 +186,10 @@ class MoE(nn.Module):
         uses it; along rows, xp is its BF16 MX values and wgrad uses it. ``backend``: the kernels
         (:func:`mxmoe.backend.resolve` of xp's device by default)."""
         be = backend or resolve(xp.device)
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, **_prequantized(x_mx),
+        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, **prequantized_operands(x_mx),
                            backend=be)  # [M, 2F]
         a, a_mx = swiglu(h, self.recipe, self.w2, backend=be)  # fused with a's quantization where the route allows
-        return grouped_linear(a, self.w2, offs, self.recipe, validate=False, **_prequantized(a_mx),
+        return grouped_linear(a, self.w2, offs, self.recipe, validate=False, **prequantized_operands(a_mx),
                               backend=be)  # [M, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

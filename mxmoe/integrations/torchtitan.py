@@ -69,8 +69,9 @@ except ImportError as e:  # torchtitan absent, or a release without these seams
     raise ImportError(f"mxmoe.integrations.torchtitan needs torchtitan {'0.2.2'} (from a clone: pip install -e "
                       f"'.[torchtitan]'); importing it failed: {e}") from e
 
-from mxmoe.moe import _prequantized, permute_plan
+from mxmoe.moe import permute_plan
 from mxmoe.ops import grouped_linear, permute_tokens, swiglu
+from mxmoe.ops.linear import prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
 TORCHTITAN_VERSION = "0.2.2"  # the release whose seams this module is written against (pyproject's extra)
@@ -150,7 +151,7 @@ class MXMoEGroupedExperts(GroupedExperts):
         w13 = torch.cat([w1, w3], dim=1)  # [E, 2F, D]: gate rows [:F], up rows [F:] (mxmoe.MoE's w13)
         h = grouped_linear(x, w13, offs, rec, validate=v)  # [R, 2F]
         a, a_mx = swiglu(h, rec, w2)  # fused with a's quantization where the route allows
-        return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **_prequantized(a_mx))
+        return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **prequantized_operands(a_mx))
 
 
 def convert_grouped_experts(model: nn.Module, recipe: "str | Recipe" = "mxfp8_128", fused_swiglu: bool = True,

@@ -342,3 +342,14 @@ def fused_qdq(x: torch.Tensor, rows: int, cols: int, recipe: Recipe, w_next: tor
     return (w_next is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and recipe.mxfp8
             and recipe.wgrad_mxfp8 and rows % BLOCK == 0 and cols % BLOCK == 0
             and _expansion(x, w_next, recipe, be) is not None)
+
+
+def prequantized_operands(x_mx: "MXTensor | MXOperands | None") -> dict:
+    """grouped_linear's ``x_mx`` / ``x_wgrad`` for an operand's upstream MXFP8 copies: an MXTensor along
+    the features (axis 1, e.g. tokens received in MXFP8) is fprop's, one along rows (axis 0, beside the
+    BF16 MX values) wgrad's, and :class:`~mxmoe.ops.linear.MXOperands` give both."""
+    if isinstance(x_mx, MXOperands):
+        return {"x_mx": x_mx.fprop, "x_wgrad": x_mx.wgrad}
+    if x_mx is not None and x_mx.axis == 0:
+        return {"x_mx": None, "x_wgrad": x_mx}
+    return {"x_mx": x_mx, "x_wgrad": None}
