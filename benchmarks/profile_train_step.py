@@ -1,5 +1,5 @@
 """Where a training step's GPU time goes, per recipe: the main job's model (a preset of `mxmoe train`,
-default `gpu-throughput`) on random tokens, eager steps (kernel times are those of the CUDA-graph
+default `gpu-throughput`) on random tokens, eager steps or ``--compile BACKEND`` (kernel times are those of the CUDA-graph
 steps `mxmoe train` runs; the host's launch work is not in them), one torch profile of a few steps,
 each CUDA kernel's total time per step. Written to explain the end-to-end figures of
 ``train_gpu_throughput.json`` (issue 23): which kernels grow or shrink from bf16 to the MX recipes.
@@ -17,6 +17,7 @@ import re
 import time
 
 import torch
+import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 
 from mxmoe import train as T
@@ -40,22 +41,25 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_recipe(cfg, recipe: str, steps: int, dev: torch.device) -> dict:
+def profile_recipe(cfg, recipe: str, steps: int, dev: torch.device, backend: str = "") -> dict:
     torch.manual_seed(0)
     model = T.MoELM(cfg, recipe).to(dev).train()
+    step_fn = T.compiled(model, backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, T.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(dev)
     y = torch.randint(0, T.VOCAB, (cfg.batch_size, cfg.seq_len), generator=gen).to(dev)
 
     def step():
+        if backend in T.GRAPH_BACKENDS:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            ce, aux = model(x, y)
+            ce, aux = step_fn(x, y)
         (ce + aux).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(5):
+    for _ in range(5 if not backend else 10):
         step()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -88,13 +92,16 @@ def main():
     ap.add_argument("--recipes", default="bf16,mxfp8,mxfp8_128")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="train_step_profile.json")
+    ap.add_argument("--compile", default="", help="torch.compile backend of the forward, as mxmoe train's --compile "
+                    "(inductor: its fused kernels; the graph backends' kernels may not all reach the profiler)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     cfg = T.make_config(args.preset)
     res = {"preset": args.preset, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "tokens_per_step": cfg.batch_size * cfg.seq_len, "recipes": {}}
+           "date": time.strftime("%Y-%m-%d"), "tokens_per_step": cfg.batch_size * cfg.seq_len, "compile": args.compile, "recipes": {}}
     for r in T.parse_recipes(args.recipes):
-        res["recipes"][r] = m = profile_recipe(cfg, r, args.steps, dev)
+        torch._dynamo.reset()
+        res["recipes"][r] = m = profile_recipe(cfg, r, args.steps, dev, args.compile)
         cats = "  ".join(f"{k} {v:.2f}" for k, v in m["categories"].items())
         print(f"{r:10s} kernels {m['ms_per_step']:.2f} ms/step (eager wall {m['eager_ms_per_step']:.2f}): {cats}",
               flush=True)

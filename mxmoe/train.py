@@ -91,7 +91,8 @@ class TrainConfig:
     recipes: str = "bf16,mxfp8"  # comma-separated MoE recipes, trained one after the other
     seed: int = 0  # one seed -> one init and one batch order, shared by every recipe
     # torch.compile backend; not under torchrun (expert parallelism)
-    compile: str = "auto"  # auto: cudagraphs on CUDA in one process (~3x steps/s), else eager; ""/none: eager; or inductor, aot_eager, eager
+    compile: str = "auto"  # auto: cudagraphs on CUDA in one process (~3x steps/s), else eager; ""/none: eager; or
+    # inductor, inductor-cudagraphs (inductor's fused kernels replayed from CUDA graphs), aot_eager, eager
     checkpoint_every: int = 0  # steps between checkpoints (<out>/checkpoint_<recipe>.pt); 0: none (one process only)
     resume: str = ""  # continue the killed run in this folder, with its own settings (give no other flags)
     # data (mxmoe.corpus)
@@ -165,11 +166,11 @@ class TrainConfig:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise ValueError("--compile is not supported with expert parallelism (torchrun): leave it off there")
             on_cpu = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-            if self.compile == "inductor" and on_cpu and any(n != "bf16" for n in names):
+            if self.compile.startswith("inductor") and on_cpu and any(n != "bf16" for n in names):
                 raise ValueError("--compile inductor on the CPU cannot compile the MX recipes (torch's CPU "
                                  "codegen has no float8_e8m0fnu); use --compile aot_eager there, or a GPU")
-            if self.compile == "cudagraphs" and on_cpu:
-                raise ValueError("--compile cudagraphs records CUDA graphs: it needs --device cuda")
+            if self.compile in GRAPH_BACKENDS and on_cpu:
+                raise ValueError(f"--compile {self.compile} records CUDA graphs: it needs --device cuda")
 
 
 def parse_recipes(spec: str) -> list[str]:
@@ -191,8 +192,11 @@ def parse_recipes(spec: str) -> list[str]:
 
 
 # torch.compile backends this job was run with; "cudagraphs" replays the step's kernels (ours and
-# torch's, unfused) from CUDA graphs, which takes the host's launch work out of the step
-COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager")
+# torch's, unfused) from CUDA graphs, which takes the host's launch work out of the step;
+# "inductor-cudagraphs" is inductor (torch's elementwise work fused, our kernels as they are) with
+# mode="reduce-overhead", its kernels replayed from CUDA graphs too
+COMPILE_BACKENDS = ("inductor", "inductor-cudagraphs", "cudagraphs", "aot_eager", "eager")
+GRAPH_BACKENDS = ("cudagraphs", "inductor-cudagraphs")
 
 # the yardstick of MFU for every recipe: one H200's dense BF16 tensor-core peak, FLOP/s (NVIDIA's H200
 # SXM datasheet: 1979 TFLOP/s with sparsity, half of it dense)
@@ -205,6 +209,15 @@ def compile_backend(cfg: "TrainConfig", device: torch.device, world_size: int = 
     if cfg.compile == "auto":
         return "cudagraphs" if device.type == "cuda" and world_size == 1 else ""
     return "" if cfg.compile == "none" else cfg.compile
+
+
+def compiled(model: nn.Module, backend: str) -> nn.Module:
+    """``model`` under ``torch.compile`` with the resolved ``backend`` (:func:`compile_backend`); eager for ``""``."""
+    if not backend:
+        return model
+    if backend == "inductor-cudagraphs":
+        return torch.compile(model, backend="inductor", mode="reduce-overhead")
+    return torch.compile(model, backend=backend)
 
 PRESETS = {
     "tiny": dict(dim=64, layers=2, heads=2, experts=4, top_k=2, ffn_dim=64, seq_len=64, batch_size=8,
@@ -465,7 +478,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         parallel.sync_replicated_parameters(model, ep.group)
     model.to(device).train()
     backend = compile_backend(cfg, device, ep.size)
-    step_fn = torch.compile(model, backend=backend) if backend else model  # same parameters
+    step_fn = compiled(model, backend)  # same parameters
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -499,7 +512,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
-        if backend == "cudagraphs":
+        if backend in GRAPH_BACKENDS:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are dead
         with _autocast(device):
             ce, aux = step_fn(x, y)
@@ -1112,7 +1125,7 @@ def run(cfg: TrainConfig) -> dict:
                                 else ""))
         print(f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "
               f"per token | device: {device}{ranks} | recipes: {', '.join(recipes)} | steps: "
-              + (f"torch.compile backend {backend}" + (" (CUDA graphs)" if backend == "cudagraphs" else "")
+              + (f"torch.compile backend {backend}" + (" (CUDA graphs)" if backend in GRAPH_BACKENDS else "")
                  if backend else "eager")
               + (f" | checkpoints every {cfg.checkpoint_every} steps in {out}" if cfg.checkpoint_every else "")
               + (" | resumed: " + ", ".join(f"{r} at step {s.get('step', cfg.steps)}" for r, s in states.items())
