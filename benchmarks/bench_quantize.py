@@ -161,7 +161,8 @@ def kernel_config(name: str, key, x: torch.Tensor) -> str:
             if name.startswith("permute"):
                 return gluon_name(True, x3)
             g = Q._GLUON_TILES_SWIGLU[name.endswith("save_h")]
-            return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}"
+            tma = "" if name.endswith(("save_h", "_regfed")) else f" TMA {Q._SWIGLU_TMA_STAGES}-stage"
+            return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}{tma}"
         return cfg_name(Q._config_128_fused(key == "swiglu128_save_h"))
     if key in ("col", "colrow", "colrow32", *GLUON_KEYS_128) and not name.endswith("_triton") and Q._use_gluon(x3):
         return gluon_name(key not in ("col", "col128"), x3)
@@ -255,6 +256,8 @@ def cases128(x: torch.Tensor, is_weight: bool):
             ("permute_128_triton", "fused128", lambda: _triton_only(lambda t: Q.permute_quantize_128(t, src), x)),
             ("permute_qdq", None, lambda: Q.permute_qdq(x, src)),
             ("swiglu_128", "fused128", lambda: Q.swiglu_quantize_128(x)),
+            ("swiglu_128_regfed", "fused128", lambda: Q._launch_swiglu(x, "rceil", False, fp8_rows=True, group=128,
+                                                                          name="swiglu", tma=False)),
             ("swiglu_128_save_h", "swiglu128_save_h", lambda: Q.swiglu_quantize_128(x, save_h=True)),
             ("swiglu_128_triton", "fused128", lambda: _triton_only(Q.swiglu_quantize_128, x)),
             ("swiglu_qdq", None, lambda: Q.swiglu_qdq(x)),

@@ -202,6 +202,10 @@ GRAPH_BACKENDS = ("cudagraphs", "inductor-cudagraphs")
 # SXM datasheet: 1979 TFLOP/s with sparsity, half of it dense)
 PEAK_FLOPS = 989.4e12
 
+# the training loop synchronizes with the GPU (and times the steps since the last synchronization)
+# every this many steps
+TIMING_EVERY = 10
+
 
 def compile_backend(cfg: "TrainConfig", device: torch.device, world_size: int = 1) -> str:
     """The torch.compile backend the steps use: ``cfg.compile`` resolved (``auto``: ``cudagraphs`` on
@@ -260,6 +264,9 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Gene
     """Random windows of ``data``: inputs and next-byte targets, both int64 ``[B, T]`` on ``device``."""
     start = torch.randint(len(data) - seq_len - 1, (batch_size, 1), generator=gen)  # [B, 1]
     window = data[start + torch.arange(seq_len + 1)].long()  # [B, T+1]
+    if device.type == "cuda":  # from pinned memory, so the copy does not wait for the GPU's queued work
+        window = window.pin_memory().to(device, non_blocking=True)
+        return window[:, :-1], window[:, 1:]
     return window[:, :-1].to(device), window[:, 1:].to(device)
 
 
@@ -454,7 +461,8 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     Metrics: ``train_loss`` / ``aux_loss`` (one per step), ``final_train_loss`` (mean of the last
     10), ``val_step`` and ``val_loss`` (parallel lists; val at step s is measured after s
     updates), ``tokens_per_s`` and ``ms_per_step``
-    (training steps only, first steps excluded as warm-up), ``peak_mem_gib`` (CUDA, else None),
+    (training steps only, first steps excluded as warm-up; timed between the loop's synchronizations with
+    the GPU, every :data:`TIMING_EVERY` steps, so the host's launch work overlaps the GPU's), ``peak_mem_gib`` (CUDA, else None),
     ``wall_s`` (this recipe's time in this function: model build, steps, evaluations, checkpoint writes and
     compilation; summed over a resumed run's parts; not data loading, process start-up or the one-off
     imports of :func:`_warm_up_process`), ``compile`` (the backend the steps ran under, "" eager).
@@ -486,7 +494,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(cfg.seed + ep.rank)  # same batch order for every recipe
-    ce_hist, aux_hist, step_s = [], [], []
+    ce_hist, aux_hist = [], []
     m = {"train_loss": [], "aux_loss": [], "val_step": [], "val_loss": []}
     start, wall_before = 0, 0.0
     if resume is not None:
@@ -500,15 +508,29 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         start, wall_before = resume["step"], resume["wall_s"]
     postfix = {}
     bar = tqdm(total=cfg.steps, initial=start, desc=f"{recipe:>8}", dynamic_ncols=True, disable=ep.rank != 0)
+    # Steps are timed between host synchronizations (every TIMING_EVERY steps, before evaluations and
+    # checkpoints), not one by one: the host queues the next step's launches while the GPU runs this one,
+    # as a training loop that logs every few steps does. segments: (first step, end step, seconds).
+    segments, seg = [], [start, time.perf_counter()]
+    skip = start + min(10, (cfg.steps - start) // 5)  # warm-up steps (allocator, compilation) are not timed
+
+    def close_segment(end: int) -> None:
+        _sync(device)
+        now = time.perf_counter()
+        if end > seg[0]:
+            segments.append((seg[0], end, now - seg[1]))
+        seg[:] = [end, now]
+
     for step in range(start, cfg.steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.steps:
+            close_segment(step)
             m["val_step"].append(step)
             m["val_loss"].append(evaluate(step_fn, val_data, cfg, device, ep))
             postfix["val"] = f"{m['val_loss'][-1]:.3f}"
             bar.set_postfix(postfix, refresh=False)
+            seg[1] = time.perf_counter()  # the evaluation is not step time
         if step == cfg.steps:
             break
-        t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
@@ -522,14 +544,16 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         opt.zero_grad(set_to_none=True)
         ce_hist.append(ce.detach().clone())  # clone: see evaluate
         aux_hist.append(aux.detach().clone())
-        _sync(device)
-        step_s.append(time.perf_counter() - t0)
         bar.update()
-        if step % 10 == 0:
-            postfix["loss"] = f"{ce.item():.3f}"
-            bar.set_postfix(postfix)
         done = step + 1
+        if done == skip:
+            close_segment(done)
+        if done % TIMING_EVERY == 0:
+            close_segment(done)
+            postfix["loss"] = f"{ce_hist[-1].item():.3f}"
+            bar.set_postfix(postfix)
         if ckpt_path is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            close_segment(done)
             save_training_state(ckpt_path, {
                 "format": CHECKPOINT_FORMAT, "recipe": recipe, "config": json.dumps(dataclasses.asdict(cfg)),
                 "done": False, "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -538,13 +562,15 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
                 "ce_hist": torch.stack(ce_hist).cpu(), "aux_hist": torch.stack(aux_hist).cpu(),
                 "val_step": list(m["val_step"]), "val_loss": list(m["val_loss"]),
                 "wall_s": wall_before + time.perf_counter() - t_start})
+            seg[1] = time.perf_counter()  # nor is writing the checkpoint
     bar.close()
     m["train_loss"] = mean_over_ranks(torch.stack(ce_hist), ep).tolist()  # [steps]
     m["aux_loss"] = mean_over_ranks(torch.stack(aux_hist).float(), ep).tolist()
     m["final_train_loss"] = final_train_loss(m)
-    timed = step_s[min(10, len(step_s) // 5):] or [float("nan")]  # skip warm-up steps (allocator, compilation)
-    m["ms_per_step"] = 1e3 * sum(timed) / len(timed)
-    m["tokens_per_s"] = ep.size * cfg.batch_size * cfg.seq_len * len(timed) / sum(timed)  # all ranks
+    timed = [(b - a, sec) for a, b, sec in segments if a >= skip] or [(1, float("nan"))]
+    n_timed, sec_timed = sum(n for n, _ in timed), sum(sec for _, sec in timed)
+    m["ms_per_step"] = 1e3 * sec_timed / n_timed
+    m["tokens_per_s"] = ep.size * cfg.batch_size * cfg.seq_len * n_timed / sec_timed  # all ranks
     m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     m["wall_s"] = wall_before + time.perf_counter() - t_start
     m["compile"] = backend

@@ -343,7 +343,14 @@ def test_gluon_launch_contract_128(monkeypatch):
 
     monkeypatch.setattr(Q, "_interpreting", lambda: True)  # CPU tensors pass _check
     monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
-    monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
+    tma_calls = []
+
+    class TmaRecorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: tma_calls.append((grid, args, kw))
+
+    monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder(),
+                                                             mx_swiglu_quantize_tma_kernel=TmaRecorder()))
 
     def launch(fn, *a):
         calls.clear()
@@ -368,8 +375,37 @@ def test_gluon_launch_contract_128(monkeypatch):
     assert kw["IN_MODE"] == 1 and kw["src_ptr"] is not None and kw["T"] == 100 and (args[5], args[6]) == (256, 384)
     assert d.shape == (256, 384) and s_.shape == (256, 12) and dt.shape == (384, 256) and grid == (2 * 3,)
     assert args[3].data_ptr() == d.data_ptr() and args[4].data_ptr() == s_.data_ptr()
+    # SwiGLU without save_h: the TMA-fed kernel, h read through a descriptor of [M, 2F] in [128, 128] boxes
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     h = torch.randn(256, 768, dtype=torch.bfloat16)
+    tma_calls.clear()
+    calls.clear()
+    out = Q.swiglu_quantize_128(h, "floor")
+    assert len(tma_calls) == 1 and not calls
+    grid, args, kw = tma_calls[0]
+    desc = args[0]
+    assert isinstance(desc, TensorDescriptor) and desc.base is h and list(desc.shape) == [256, 768]
+    assert list(desc.block_shape) == [128, 128] and list(desc.strides) == [768, 1]
+    assert [a.data_ptr() for a in args[1:5]] == [out[2].data_ptr(), out[3].data_ptr(), out[0].data_ptr(),
+                                                 out[1].data_ptr()]
+    assert args[5:] == (256, 384, 0) and kw["GROUP"] == 128 and kw["STAGES"] == Q._SWIGLU_TMA_STAGES
+    g = Q._GLUON_TILES_SWIGLU[False]
+    assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"] and 1 <= grid[0] <= 6
+    # a base address TMA cannot take (2 bytes off 16) keeps the register-fed kernel
+    odd = torch.randn(256, 769, dtype=torch.bfloat16)[:, 1:]
+    assert not Q._tma_ready(odd) and Q._tma_ready(h)
+    tma_calls.clear()
+    launch(Q.swiglu_quantize_128, odd, "rceil", False)
+    assert not tma_calls
     for save_h in (False, True):
+        if not save_h:
+            monkeypatch.setattr(Q, "_tma_ready", lambda h: False)
+        else:
+            monkeypatch.undo()  # (restores everything; set the recorders again)
+            monkeypatch.setattr(Q, "_interpreting", lambda: True)
+            monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
+            monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
         out, grid, args, kw = launch(Q.swiglu_quantize_128, h, "rceil", save_h)
         g = Q._GLUON_TILES_SWIGLU[save_h]
         assert kw["IN_MODE"] == 2 and kw["SAVE_H"] == save_h and (args[5], args[6]) == (256, 384)
@@ -449,6 +485,8 @@ def test_gpu_real_shapes(dtype):
     h = (wide_randn((4096, 2 * 2048), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16).cuda()
     a = F.silu(h[:, :2048]) * h[:, 2048:]
     for rule in RULES:
+        out = Q.swiglu_quantize_128(h, rule, False)  # the TMA-fed kernel: 512 tiles, several per program
+        check_dual(Q, a, rule, "row_major", "swiglu (TMA)", out=out[:4])
         out = Q.swiglu_quantize_128(h, rule, True)
         check_dual(Q, a, rule, "row_major", "swiglu", out=out[:4])
         same_bytes(out[4], ref(h, -1, rule).data, "swiglu h data")
@@ -487,6 +525,13 @@ def test_gpu_gluon_equals_triton(monkeypatch):
         for save_h in (False, True):
             both(Q.swiglu_quantize_128, h, rule, save_h, tag=f"{rule} save_h={save_h}")
             both(Q.swiglu_quantize_128, h[:, 256:768], rule, save_h, tag=f"{rule} save_h={save_h} column slice")
+    # the TMA-fed SwiGLU kernel against the register-fed one (same tile, same math): the same bytes
+    for hin in (h, h[:, 256:768], h[:128]):
+        for rule in RULES:
+            got = Q.swiglu_quantize_128(hin, rule)
+            want = Q._launch_swiglu(hin, rule, False, fp8_rows=True, group=128, name="swiglu", tma=False)
+            for g, w_ in zip(got, want):
+                same_bytes(g, w_, f"swiglu {tuple(hin.shape)} {rule}: TMA vs register-fed")
 
 
 if __name__ == "__main__" and "--cases" in sys.argv:

@@ -831,9 +831,12 @@ def swiglu_quantize_128(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil", 
     return _launch_swiglu(h, scale_rule, save_h, fp8_rows=True, group=_G128, name="swiglu_quantize_128")
 
 
-def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, group: int, name: str):
+def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, group: int, name: str,
+                   tma: bool = True):
     """mx_swiglu_qdq_kernel: a's rows as BF16 MX values (``swiglu_qdq``) or, ``fp8_rows``, as E4M3 + scales
-    (``swiglu_quantize_128``); outputs in the order rows (bf16, or data + scale), data_t, scale_t, h_data, h_scale."""
+    (``swiglu_quantize_128``); outputs in the order rows (bf16, or data + scale), data_t, scale_t, h_data, h_scale.
+    On the Gluon route, 1x128 without save_h runs the TMA-fed kernel where h allows it (:func:`_tma_ready`);
+    ``tma=False`` keeps the register-fed one (benchmarks compare the two)."""
     if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16:
         raise TypeError(f"{name} expects a bfloat16 tensor, got {getattr(h, 'dtype', type(h).__name__)}")
     if h.dim() != 2 or h.shape[1] % (2 * group):
@@ -848,6 +851,10 @@ def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, gr
     qh = torch.empty((M, 2 * F) if save_h else (0,), dtype=torch.uint8, device=dev)
     sh = torch.empty((M, 2 * F // BLOCK) if save_h else (0,), dtype=torch.uint8, device=dev)
     if M and F and fp8_rows and _use_gluon(h[None]) and F % _GLUON_TILES_SWIGLU[save_h]["BK"] == 0:
+        if tma and not save_h and group == _G128 and _tma_ready(h):
+            _launch_swiglu_tma(h, qc, sc, rows, srow, _rule(scale_rule))
+            return (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu), qc.view(torch.float8_e4m3fn),
+                    sc.view(torch.float8_e8m0fnu), qh.view(torch.float8_e4m3fn), sh.view(torch.float8_e8m0fnu))
         fused = dict(IN_MODE=2, SAVE_H=save_h, qh_ptr=qh if save_h else qc, sh_ptr=sh if save_h else sc)
         _launch_gluon(h[None], qc, sc, rows, srow, M, F, _rule(scale_rule), row=1, col=1, layout=0, group=group,
                       shape=(1, M, F), fused=fused, tile=_GLUON_TILES_SWIGLU[save_h])
@@ -864,6 +871,34 @@ def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, gr
     out = (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu)) if fp8_rows else (rows,)
     return (*out, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu),
             qh.view(torch.float8_e4m3fn), sh.view(torch.float8_e8m0fnu))
+
+
+# Ring depth of mx_swiglu_quantize_tma_kernel: two stages of the gate and up tiles (2 x 2 x 32 KB) leave room
+# for the layout conversion's scratch within an SM's 227 KB.
+_SWIGLU_TMA_STAGES = 2
+
+
+def _tma_ready(h: torch.Tensor) -> bool:
+    """Whether TMA can read h [M, 2F] bf16 in boxes: unit stride along 2F, 16-byte aligned base and row pitch."""
+    return h.stride(1) == 1 and h.data_ptr() % 16 == 0 and (h.stride(0) * h.element_size()) % 16 == 0
+
+
+def _launch_swiglu_tma(h: torch.Tensor, qc, sc, rows, srow, rceil: int) -> None:
+    """quantize_gluon.mx_swiglu_quantize_tma_kernel on h [M, 2F] (M % 128 == F % 128 == 0, checked by the caller),
+    persistent: as many programs as fit (one per SM at this tile), each looping over tiles."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    g = _GLUON_TILES_SWIGLU[False]
+    M, F = h.shape[0], h.shape[1] // 2
+    box = [32 * g["MB"], g["BK"]]
+    desc = TensorDescriptor(h, [M, 2 * F], [h.stride(0), 1], box,
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+    kernel = _gluon().mx_swiglu_quantize_tma_kernel
+    args = (desc, qc, sc, rows, srow, M, F, rceil)
+    kwargs = dict(MB=g["MB"], BK=g["BK"], VEC=_GLUON_VEC, WM=g["WM"], WK=g["WK"], TM=g["TM"], RS=g["RS"],
+                  GROUP=_G128, STAGES=_SWIGLU_TMA_STAGES, num_warps=g["WM"] * g["WK"])
+    _launch_tiles(kernel, args, kwargs, (M // box[0]) * (F // box[1]), True, h.device)
 
 
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 # The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
 from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _max4, _quantize_elems,
@@ -190,7 +191,16 @@ def mx_quantize_cols_kernel(
         _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
                  TILE32, GROUP)
 
-    # columns: one layout conversion, then per thread (RS 16: the block max takes one shuffle between two lanes)
+    _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL, LAYOUT, MB, BK, TILE32, GROUP, L_COL)
+
+
+@gluon.jit
+def _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL: gl.constexpr, LAYOUT: gl.constexpr,
+                MB: gl.constexpr, BK: gl.constexpr, TILE32: gl.constexpr, GROUP: gl.constexpr, L_COL: gl.constexpr):
+    """The column half, on the tile x [MB, 32, BK] (any layout; global tile (tm, tk) of x[b]): one layout
+    conversion to L_COL, then the 32x1 (GROUP 128: 128x1) block maxima per thread and the transposed
+    stores (COL 1: E4M3 qc [B, K, M] + scales sc; 2: BF16 MX values into qc)."""
+    # one layout conversion, then per thread (RS 16: the block max takes one shuffle between two lanes)
     xf = _to_f32(gl.convert_layout(x, L_COL))
     amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # [MB, BK]
     if GROUP == 128:  # 128x1 groups: the max over 4 neighbouring blocks of a column
@@ -227,3 +237,81 @@ def _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT: gl.co
     sk = tk * BK + gl.expand_dims(s2, 0)  # scale row = k
     sm = tm * MB + gl.expand_dims(s0, 1)  # scale column = block of 32 rows
     _store_scales(sc_ptr + b * sc_stride_b, sk, sm, byte, K, M // 32, (M // 32 + 3) // 4, LAYOUT)
+
+
+@gluon.jit(do_not_specialize=["rceil"])
+def mx_swiglu_quantize_tma_kernel(
+    h_desc, qc_ptr, sc_ptr, qr_ptr, sr_ptr, M, K, rceil,
+    MB: gl.constexpr, BK: gl.constexpr, VEC: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr,
+    RS: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+):
+    """mx_quantize_cols_kernel's SwiGLU mode (IN_MODE 2, ROW 1, COL 1, row-major scales, no SAVE_H) as a
+    persistent kernel whose input tiles arrive by TMA into a STAGES-deep shared-memory ring: while a
+    program computes one tile (the BF16 silu math and both quantizations, ~3x the instructions per
+    element of the dual kernel), the loads of its next STAGES - 1 tiles are in flight. The register-fed
+    kernel holds one 16-warp program per SM and so leaves memory idle while it computes.
+
+    h_desc: TMA descriptor of h [M, 2K] bf16 (box [MB*32, BK], unswizzled); outputs as
+    mx_quantize_cols_kernel's (qr [M, K] + sr [M, K/32], qc [K, M] + sc [K, M/32]). Tiles run k fastest,
+    tile t = pid + i * programs. Needs M % (MB*32) == 0 and K % BK == 0 (whole tiles: the caller checks)."""
+    BM: gl.constexpr = MB * 32
+    TPK: gl.constexpr = BK // VEC
+    L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
+    L_COL: gl.constexpr = gl.BlockedLayout([1, RS, 1], [TM, 32 // RS, 32 // TM // (32 // RS)], [WM, 1, WK], [1, 0, 2])
+    # the 2D view of L_IN over [BM, BK] (rows 32 * block + r): the smem tiles load straight into it
+    gl.static_assert(WM == 1 and WK * (32 // TPK) == 32)
+    L_2D: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPK, TPK], [WK, 1], [1, 0])
+    n_k = K // BK
+    total = (M // BM) * n_k
+    pid = gl.program_id(0)
+    progs = gl.num_programs(0)
+
+    gates = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], h_desc.layout)
+    ups = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], h_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+
+    # prologue: the first STAGES - 1 tiles of this program
+    for i in gl.static_range(STAGES - 1):
+        t = pid + i * progs
+        ok = t < total
+        mbarrier.expect(ready.index(i), 2 * h_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(h_desc, [(t // n_k) * BM, (t % n_k) * BK], ready.index(i), gates.index(i),
+                                        pred=ok)
+        tma.async_copy_global_to_shared(h_desc, [(t // n_k) * BM, K + (t % n_k) * BK], ready.index(i),
+                                        ups.index(i), pred=ok)
+
+    it = 0
+    for t in range(pid, total, progs):
+        # the load STAGES - 1 tiles ahead goes into the slot read last iteration (all threads passed the
+        # barrier after reading it)
+        tn = t + (STAGES - 1) * progs
+        sn = (it + STAGES - 1) % STAGES
+        ok = tn < total
+        mbarrier.expect(ready.index(sn), 2 * h_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(h_desc, [(tn // n_k) * BM, (tn % n_k) * BK], ready.index(sn),
+                                        gates.index(sn), pred=ok)
+        tma.async_copy_global_to_shared(h_desc, [(tn // n_k) * BM, K + (tn % n_k) * BK], ready.index(sn),
+                                        ups.index(sn), pred=ok)
+
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        gate = gates.index(s).load(L_2D)
+        up = ups.index(s).load(L_2D)
+        gl.thread_barrier()  # slot s is free for the load issued next iteration
+        gate = gl.convert_layout(gl.reshape(gate, [MB, 32, BK]), L_IN)  # same registers: no data movement
+        up = gl.convert_layout(gl.reshape(up, [MB, 32, BK]), L_IN)
+        x = _silu_mul_bf16(gate, up, False)
+
+        tm = t // n_k
+        tk = t % n_k
+        m, k = _tile_index(tm, tk, MB, BK, L_IN)
+        b = 0
+        _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, 0, rceil, 1, 0, MB, BK, WM, WK, L_IN, False, GROUP)
+        _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, 0, rceil, 1, 0, MB, BK, False, GROUP, L_COL)
+        it += 1
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
