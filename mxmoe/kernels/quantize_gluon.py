@@ -259,7 +259,7 @@ def mx_swiglu_quantize_tma_kernel(
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
     L_COL: gl.constexpr = gl.BlockedLayout([1, RS, 1], [TM, 32 // RS, 32 // TM // (32 // RS)], [WM, 1, WK], [1, 0, 2])
     # the 2D view of L_IN over [BM, BK] (rows 32 * block + r): the smem tiles load straight into it
-    gl.static_assert(WM == 1 and WK * (32 // TPK) == 32)
+    gl.static_assert(WM == 1 and 32 % (WK * (32 // TPK)) == 0)
     L_2D: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPK, TPK], [WK, 1], [1, 0])
     n_k = K // BK
     total = (M // BM) * n_k
