@@ -446,7 +446,7 @@ def test_gpu_presets():
     for cfg in (gpu, tp):
         for recipe in ("bf16", "mxfp8", "mxfp8_128"):
             get_recipe(recipe).check_dims(cfg.dim, cfg.ffn_dim)
-        assert compile_backend(cfg, torch.device("cuda")) == "cudagraphs"
+        assert compile_backend(cfg, torch.device("cuda")) == "inductor-cudagraphs"
         assert compile_backend(cfg, torch.device("cuda"), world_size=2) == ""  # not under torchrun
         assert compile_backend(cfg, torch.device("cpu")) == ""
     assert compile_backend(make_config("tiny", compile="none"), torch.device("cuda")) == ""
