@@ -489,6 +489,8 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         parallel.sync_replicated_parameters(model, ep.group)
     model.to(device).train()
     backend = compile_backend(cfg, device, ep.size)
+    if backend:  # a fresh compile cache per recipe: the recipes' guards would add up to dynamo's recompile limit
+        torch._dynamo.reset()
     step_fn = compiled(model, backend)  # same parameters
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
