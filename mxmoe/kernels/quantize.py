@@ -850,11 +850,10 @@ def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, gr
     sc = torch.empty(F, M // BLOCK, dtype=torch.uint8, device=dev)
     qh = torch.empty((M, 2 * F) if save_h else (0,), dtype=torch.uint8, device=dev)
     sh = torch.empty((M, 2 * F // BLOCK) if save_h else (0,), dtype=torch.uint8, device=dev)
-    if M and F and fp8_rows and _use_gluon(h[None]) and F % _GLUON_TILES_SWIGLU[save_h]["BK"] == 0:
-        if tma and not save_h and group == _G128 and _tma_ready(h):
-            _launch_swiglu_tma(h, qc, sc, rows, srow, _rule(scale_rule))
-            return (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu), qc.view(torch.float8_e4m3fn),
-                    sc.view(torch.float8_e8m0fnu), qh.view(torch.float8_e4m3fn), sh.view(torch.float8_e8m0fnu))
+    gluon = M and F and fp8_rows and _use_gluon(h[None]) and F % _GLUON_TILES_SWIGLU[save_h]["BK"] == 0
+    if gluon and tma and not save_h and group == _G128 and _tma_ready(h):
+        _launch_swiglu_tma(h, qc, sc, rows, srow, _rule(scale_rule))
+    elif gluon:
         fused = dict(IN_MODE=2, SAVE_H=save_h, qh_ptr=qh if save_h else qc, sh_ptr=sh if save_h else sc)
         _launch_gluon(h[None], qc, sc, rows, srow, M, F, _rule(scale_rule), row=1, col=1, layout=0, group=group,
                       shape=(1, M, F), fused=fused, tile=_GLUON_TILES_SWIGLU[save_h])

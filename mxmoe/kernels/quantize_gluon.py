@@ -248,8 +248,9 @@ def mx_swiglu_quantize_tma_kernel(
     """mx_quantize_cols_kernel's SwiGLU mode (IN_MODE 2, ROW 1, COL 1, row-major scales, no SAVE_H) as a
     persistent kernel whose input tiles arrive by TMA into a STAGES-deep shared-memory ring: while a
     program computes one tile (the BF16 silu math and both quantizations, ~3x the instructions per
-    element of the dual kernel), the loads of its next STAGES - 1 tiles are in flight. The register-fed
-    kernel holds one 16-warp program per SM and so leaves memory idle while it computes.
+    element of the dual kernel), the loads of its next STAGES - 1 tiles are in flight. With one 16-warp
+    program per SM, the register-fed form waits for each tile's loads; this one is 7-12% faster on the H200
+    (the rest of its time is instruction latency: benchmarks/NOTES_quantize.md, session 15).
 
     h_desc: TMA descriptor of h [M, 2K] bf16 (box [MB*32, BK], unswizzled); outputs as
     mx_quantize_cols_kernel's (qr [M, K] + sr [M, K/32], qc [K, M] + sc [K, M/32]). Tiles run k fastest,
