@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mxmoe.formats import quantize  # noqa: E402
+from mxmoe.kernels import layer as layer_kernels  # noqa: E402
 from mxmoe.kernels import quantize as Q  # noqa: E402
 from mxmoe.layouts import blocked_group_offsets, blocked_numel, to_blocked  # noqa: E402
 
@@ -259,6 +260,8 @@ def cases128(x: torch.Tensor, is_weight: bool):
             ("swiglu_128_regfed", "fused128", lambda: Q._launch_swiglu(x, "rceil", False, fp8_rows=True, group=128,
                                                                           name="swiglu", tma=False)),
             ("swiglu_128_save_h", "swiglu128_save_h", lambda: Q.swiglu_quantize_128(x, save_h=True)),
+            # the unfused pair it could be replaced by: the layer's elementwise SwiGLU, then the dual kernel on a
+            ("swiglu_then_dual_128", "colrow128", lambda: Q.quantize_dual_128(layer_kernels.swiglu(x))),
             ("swiglu_128_triton", "fused128", lambda: _triton_only(Q.swiglu_quantize_128, x)),
             ("swiglu_qdq", None, lambda: Q.swiglu_qdq(x)),
         ]
@@ -275,14 +278,14 @@ def check128(name: str, x: torch.Tensor, out) -> bool:
     if name in ("permute_qdq", "swiglu_qdq"):
         return True  # the 1x32 fused kernels, for comparison: checked by tests/test_qdq_kernels.py
     if not name.startswith(("rowwise_128", "columnwise_128", "dual_128", "weight_128x128", "permute_128",
-                            "swiglu_128")):
+                            "swiglu_128", "swiglu_then_dual_128")):
         return False
     sub = x[:2] if x.dim() == 3 else x[:256]
     n = sub.shape[0]
     want = []
     if name.startswith("permute_128"):
         sub = x[permutation_src(256, x.shape[0], x.device)]
-    if name.startswith("swiglu_128"):
+    if name.startswith(("swiglu_128", "swiglu_then_dual_128")):
         F = x.shape[1] // 2
         sub = torch.nn.functional.silu(sub[:, :F]) * sub[:, F:]
         if name.endswith("save_h"):
