@@ -30,6 +30,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+# Triton 3.6's names of a TMA load into shared memory and of a CTA-wide barrier; 3.9 renamed them (async_load,
+# barrier) and removed the old ones
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 # The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
 from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _max4, _quantize_elems,
                                            _silu_mul_bf16, _store_scales, _tile_coords, _to_f32)
@@ -279,9 +284,9 @@ def mx_swiglu_quantize_tma_kernel(
         t = pid + i * progs
         ok = t < total
         mbarrier.expect(ready.index(i), 2 * h_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(h_desc, [(t // n_k) * BM, (t % n_k) * BK], ready.index(i), gates.index(i),
+        _tma_load(h_desc, [(t // n_k) * BM, (t % n_k) * BK], ready.index(i), gates.index(i),
                                         pred=ok)
-        tma.async_copy_global_to_shared(h_desc, [(t // n_k) * BM, K + (t % n_k) * BK], ready.index(i),
+        _tma_load(h_desc, [(t // n_k) * BM, K + (t % n_k) * BK], ready.index(i),
                                         ups.index(i), pred=ok)
 
     it = 0
@@ -292,16 +297,16 @@ def mx_swiglu_quantize_tma_kernel(
         sn = (it + STAGES - 1) % STAGES
         ok = tn < total
         mbarrier.expect(ready.index(sn), 2 * h_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(h_desc, [(tn // n_k) * BM, (tn % n_k) * BK], ready.index(sn),
+        _tma_load(h_desc, [(tn // n_k) * BM, (tn % n_k) * BK], ready.index(sn),
                                         gates.index(sn), pred=ok)
-        tma.async_copy_global_to_shared(h_desc, [(tn // n_k) * BM, K + (tn % n_k) * BK], ready.index(sn),
+        _tma_load(h_desc, [(tn // n_k) * BM, K + (tn % n_k) * BK], ready.index(sn),
                                         ups.index(sn), pred=ok)
 
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         gate = gates.index(s).load(L_2D)
         up = ups.index(s).load(L_2D)
-        gl.thread_barrier()  # slot s is free for the load issued next iteration
+        _cta_barrier()  # slot s is free for the load issued next iteration
         gate = gl.convert_layout(gl.reshape(gate, [MB, 32, BK]), L_IN)  # same registers: no data movement
         up = gl.convert_layout(gl.reshape(up, [MB, 32, BK]), L_IN)
         x = _silu_mul_bf16(gate, up, False)
