@@ -353,3 +353,18 @@ def test_k_grouped_tma_store_matches_register_stores():
     assert torch.equal(on, off)
     assert torch.all(on[1] == 0)
 
+
+
+def test_refuses_triton_releases_it_was_not_written_for(monkeypatch):
+    """Under a Triton whose Gluon API differs (3.9 renamed what the kernel uses) the products stop with an
+    error naming both versions instead of a compile error deep in Gluon."""
+    import mxmoe.kernels.sm90_mxfp8_grouped_gemm as G
+
+    if not G.HAS_GLUON:
+        pytest.skip("triton without Gluon")
+    monkeypatch.setattr(G, "_triton_release", lambda: (3, 9))
+    with pytest.raises(RuntimeError, match=r"written for triton 3\.6"):
+        G._check_sm90(torch.empty(1))
+    monkeypatch.setattr(G, "_triton_release", lambda: (3, 6))
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        G._check_sm90(torch.empty(1))

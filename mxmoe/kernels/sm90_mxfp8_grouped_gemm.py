@@ -548,9 +548,28 @@ def _box_layout(block: tuple, gl_dtype, swizzled: bool):
 # ----------------------------------------------------------------------------------------------
 
 
+# Triton releases this kernel's Gluon code compiles under: 3.6 (the GPU machines'). 3.9 renamed or removed
+# parts of the Gluon API it uses (shared-memory reinterpretation, the TMA copy names, warp_specialize's
+# arguments: offline sm_90 compile, 2026-12-02); 3.7 and 3.8 were not tried.
+GLUON_TRITON = ((3, 6),)
+
+
+def _triton_release() -> tuple[int, int]:
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def _check_sm90(t: torch.Tensor) -> None:
     if not HAS_GLUON:
         raise RuntimeError("the sm_90 MXFP8 grouped GEMM needs triton >= 3.6 with Gluon")
+    if _triton_release() not in GLUON_TRITON:
+        import triton
+
+        raise RuntimeError(f"the sm_90 MXFP8 grouped GEMM is written for triton "
+                           f"{', '.join('%d.%d' % v for v in GLUON_TRITON)}; this is triton {triton.__version__}, "
+                           "whose Gluon API differs (install triton 3.6, torch 2.11's)")
     if not t.is_cuda:
         raise ValueError("the sm_90 MXFP8 grouped GEMM needs CUDA tensors")
     cap = capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
