@@ -554,6 +554,7 @@ def _box_layout(block: tuple, gl_dtype, swizzled: bool):
 GLUON_TRITON = ((3, 6),)
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_release() -> tuple[int, int]:
     import triton
 
