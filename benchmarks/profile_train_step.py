@@ -92,8 +92,9 @@ def main():
     ap.add_argument("--recipes", default="bf16,mxfp8,mxfp8_128")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="train_step_profile.json")
-    ap.add_argument("--compile", default="", help="torch.compile backend of the forward, as mxmoe train's --compile "
-                    "(inductor: its fused kernels; the graph backends' kernels may not all reach the profiler)")
+    ap.add_argument("--compile", default="", help="torch.compile backend of the forward, one of mxmoe train's resolved backends "
+                    f"({', '.join(T.COMPILE_BACKENDS)}; not auto): inductor profiles its fused kernels; the "
+                    "graph backends' kernels may not all reach the profiler")
     args = ap.parse_args()
     dev = torch.device("cuda")
     cfg = T.make_config(args.preset)

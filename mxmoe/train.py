@@ -169,11 +169,11 @@ class TrainConfig:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise ValueError("--compile is not supported with expert parallelism (torchrun): leave it off there")
             on_cpu = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-            if self.compile.startswith("inductor") and on_cpu and any(n != "bf16" for n in names):
-                raise ValueError("--compile inductor on the CPU cannot compile the MX recipes (torch's CPU "
-                                 "codegen has no float8_e8m0fnu); use --compile aot_eager there, or a GPU")
             if self.compile in GRAPH_BACKENDS and on_cpu:
                 raise ValueError(f"--compile {self.compile} records CUDA graphs: it needs --device cuda")
+            if self.compile == "inductor" and on_cpu and any(n != "bf16" for n in names):
+                raise ValueError("--compile inductor on the CPU cannot compile the MX recipes (torch's CPU "
+                                 "codegen has no float8_e8m0fnu); use --compile aot_eager there, or a GPU")
 
 
 def parse_recipes(spec: str) -> list[str]:

@@ -395,6 +395,7 @@ def test_gluon_launch_contract_128(monkeypatch):
     # a base address TMA cannot take (2 bytes off 16) keeps the register-fed kernel
     odd = torch.randn(256, 769, dtype=torch.bfloat16)[:, 1:]
     assert not Q._tma_ready(odd) and Q._tma_ready(h)
+    assert not Q._tma_ready(h[:1].expand(256, 768))  # rows that overlap (row pitch 0): not a TMA box grid
     tma_calls.clear()
     launch(Q.swiglu_quantize_128, odd, "rceil", False)
     assert not tma_calls

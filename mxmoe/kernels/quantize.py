@@ -186,7 +186,7 @@ def _use_gluon(x3: torch.Tensor) -> bool:
         return False
     try:
         _gluon()
-    except ImportError:  # pragma: no cover - triton without Gluon
+    except (ImportError, AttributeError):  # pragma: no cover - triton without Gluon, or with other Gluon names
         return False
     return True
 
@@ -878,8 +878,10 @@ _SWIGLU_TMA_STAGES = 2
 
 
 def _tma_ready(h: torch.Tensor) -> bool:
-    """Whether TMA can read h [M, 2F] bf16 in boxes: unit stride along 2F, 16-byte aligned base and row pitch."""
-    return h.stride(1) == 1 and h.data_ptr() % 16 == 0 and (h.stride(0) * h.element_size()) % 16 == 0
+    """Whether TMA can read h [M, 2F] bf16 in boxes: unit stride along 2F, rows that do not overlap, 16-byte
+    aligned base and row pitch."""
+    return (h.stride(1) == 1 and h.stride(0) >= h.shape[1] and h.data_ptr() % 16 == 0
+            and (h.stride(0) * h.element_size()) % 16 == 0)
 
 
 def _launch_swiglu_tma(h: torch.Tensor, qc, sc, rows, srow, rceil: int) -> None:

@@ -556,10 +556,12 @@ GLUON_TRITON = ((3, 6),)
 
 @functools.lru_cache(maxsize=None)
 def _triton_release() -> tuple[int, int]:
+    import re
+
     import triton
 
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
+    m = re.match(r"(\d+)\.(\d+)", triton.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def _check_sm90(t: torch.Tensor) -> None:
