@@ -362,9 +362,14 @@ def test_refuses_triton_releases_it_was_not_written_for(monkeypatch):
 
     if not G.HAS_GLUON:
         pytest.skip("triton without Gluon")
+    from types import SimpleNamespace
+
+    hopper_tensor = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))  # (no GPU here)
+    monkeypatch.setattr(G, "capability", lambda index: (9, 0))
     monkeypatch.setattr(G, "_triton_release", lambda: (3, 9))
     with pytest.raises(RuntimeError, match=r"written for triton 3\.6"):
+        G._check_sm90(hopper_tensor)
+    with pytest.raises(ValueError, match="CUDA tensors"):  # a CPU tensor is refused first, on any release
         G._check_sm90(torch.empty(1))
     monkeypatch.setattr(G, "_triton_release", lambda: (3, 6))
-    with pytest.raises(ValueError, match="CUDA tensors"):
-        G._check_sm90(torch.empty(1))
+    G._check_sm90(hopper_tensor)  # passes

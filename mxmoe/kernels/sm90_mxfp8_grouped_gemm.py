@@ -567,17 +567,17 @@ def _triton_release() -> tuple[int, int]:
 def _check_sm90(t: torch.Tensor) -> None:
     if not HAS_GLUON:
         raise RuntimeError("the sm_90 MXFP8 grouped GEMM needs triton >= 3.6 with Gluon")
+    if not t.is_cuda:
+        raise ValueError("the sm_90 MXFP8 grouped GEMM needs CUDA tensors")
+    cap = capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    if cap != (9, 0):
+        raise RuntimeError(f"the sm_90 MXFP8 grouped GEMM runs on Hopper (sm_90) only; this is sm_{cap[0]}{cap[1]}")
     if _triton_release() not in GLUON_TRITON:
         import triton
 
         raise RuntimeError(f"the sm_90 MXFP8 grouped GEMM is written for triton "
                            f"{', '.join('%d.%d' % v for v in GLUON_TRITON)}; this is triton {triton.__version__}, "
                            "whose Gluon API differs (install triton 3.6, torch 2.11's)")
-    if not t.is_cuda:
-        raise ValueError("the sm_90 MXFP8 grouped GEMM needs CUDA tensors")
-    cap = capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    if cap != (9, 0):
-        raise RuntimeError(f"the sm_90 MXFP8 grouped GEMM runs on Hopper (sm_90) only; this is sm_{cap[0]}{cap[1]}")
 
 
 def _check_operand(name: str, x: torch.Tensor, dim: int) -> None:
