@@ -32,9 +32,6 @@ VARIANTS = [
 
 
 def run(h, kind, tile, stages, maxnreg):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     M, F = h.shape[0], h.shape[1] // 2
     dev = h.device
     rows = torch.empty(M, F, dtype=torch.uint8, device=dev)
@@ -47,13 +44,7 @@ def run(h, kind, tile, stages, maxnreg):
         fn = lambda: Q._launch_gluon(h[None], qc, sc, rows, srow, M, F, 1, row=1, col=1, layout=0, group=128,
                                      shape=(1, M, F), fused=fused, tile=tile)
     else:
-        desc = TensorDescriptor(h, [M, 2 * F], [h.stride(0), 1], [32 * tile["MB"], tile["BK"]],
-                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
-        kernel = Q._gluon().mx_swiglu_quantize_tma_kernel
-        args = (desc, qc, sc, rows, srow, M, F, 1)
-        kwargs = dict(VEC=Q._GLUON_VEC, GROUP=128, STAGES=stages, num_warps=tile["WM"] * tile["WK"], **tile, **extra)
-        total = (M // (32 * tile["MB"])) * (F // tile["BK"])
-        fn = lambda: Q._launch_tiles(kernel, args, kwargs, total, True, dev)
+        fn = lambda: Q._launch_swiglu_tma(h, qc, sc, rows, srow, 1, tile=tile, stages=stages, **extra)
     return fn, (rows, srow, qc, sc)
 
 

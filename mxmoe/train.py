@@ -226,6 +226,7 @@ def compiled(model: nn.Module, backend: str) -> nn.Module:
         return torch.compile(model, backend="inductor", mode="reduce-overhead")
     return torch.compile(model, backend=backend)
 
+
 PRESETS = {
     "tiny": dict(dim=64, layers=2, heads=2, experts=4, top_k=2, ffn_dim=64, seq_len=64, batch_size=8,
                  steps=40, warmup=5, eval_every=20, eval_batches=2),

@@ -884,21 +884,22 @@ def _tma_ready(h: torch.Tensor) -> bool:
             and (h.stride(0) * h.element_size()) % 16 == 0)
 
 
-def _launch_swiglu_tma(h: torch.Tensor, qc, sc, rows, srow, rceil: int) -> None:
+def _launch_swiglu_tma(h: torch.Tensor, qc, sc, rows, srow, rceil: int, tile: dict | None = None,
+                       stages: int = _SWIGLU_TMA_STAGES, **options) -> None:
     """quantize_gluon.mx_swiglu_quantize_tma_kernel on h [M, 2F] (M % 128 == F % 128 == 0, checked by the caller),
-    persistent: as many programs as fit (one per SM at this tile), each looping over tiles."""
+    persistent: as many programs as fit (one per SM at this tile), each looping over tiles. tile / stages /
+    options (e.g. maxnreg): other launches of the same kernel, for benchmarks (default: _GLUON_TILES_SWIGLU's)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    g = _GLUON_TILES_SWIGLU[False]
+    g = _GLUON_TILES_SWIGLU[False] if tile is None else tile
     M, F = h.shape[0], h.shape[1] // 2
     box = [32 * g["MB"], g["BK"]]
     desc = TensorDescriptor(h, [M, 2 * F], [h.stride(0), 1], box,
                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
     kernel = _gluon().mx_swiglu_quantize_tma_kernel
     args = (desc, qc, sc, rows, srow, M, F, rceil)
-    kwargs = dict(MB=g["MB"], BK=g["BK"], VEC=_GLUON_VEC, WM=g["WM"], WK=g["WK"], TM=g["TM"], RS=g["RS"],
-                  GROUP=_G128, STAGES=_SWIGLU_TMA_STAGES, num_warps=g["WM"] * g["WK"])
+    kwargs = dict(VEC=_GLUON_VEC, GROUP=_G128, STAGES=stages, num_warps=g["WM"] * g["WK"], **g, **options)
     _launch_tiles(kernel, args, kwargs, (M // box[0]) * (F // box[1]), True, h.device)
 
 

@@ -244,6 +244,16 @@ def _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT: gl.co
     _store_scales(sc_ptr + b * sc_stride_b, sk, sm, byte, K, M // 32, (M // 32 + 3) // 4, LAYOUT)
 
 
+@gluon.jit
+def _issue_swiglu_tile(h_desc, t, total, n_k, K, bar, gate_buf, up_buf, BM: gl.constexpr, BK: gl.constexpr):
+    """TMA loads of tile t's gate box h[rows, k] and up box h[rows, K + k] into one ring slot, completing on
+    bar; nothing is issued past the last tile (t >= total)."""
+    ok = t < total
+    mbarrier.expect(bar, 2 * h_desc.block_type.nbytes, pred=ok)
+    _tma_load(h_desc, [(t // n_k) * BM, (t % n_k) * BK], bar, gate_buf, pred=ok)
+    _tma_load(h_desc, [(t // n_k) * BM, K + (t % n_k) * BK], bar, up_buf, pred=ok)
+
+
 @gluon.jit(do_not_specialize=["rceil"])
 def mx_swiglu_quantize_tma_kernel(
     h_desc, qc_ptr, sc_ptr, qr_ptr, sr_ptr, M, K, rceil,
@@ -281,26 +291,16 @@ def mx_swiglu_quantize_tma_kernel(
 
     # prologue: the first STAGES - 1 tiles of this program
     for i in gl.static_range(STAGES - 1):
-        t = pid + i * progs
-        ok = t < total
-        mbarrier.expect(ready.index(i), 2 * h_desc.block_type.nbytes, pred=ok)
-        _tma_load(h_desc, [(t // n_k) * BM, (t % n_k) * BK], ready.index(i), gates.index(i),
-                                        pred=ok)
-        _tma_load(h_desc, [(t // n_k) * BM, K + (t % n_k) * BK], ready.index(i),
-                                        ups.index(i), pred=ok)
+        _issue_swiglu_tile(h_desc, pid + i * progs, total, n_k, K, ready.index(i), gates.index(i), ups.index(i),
+                           BM, BK)
 
     it = 0
     for t in range(pid, total, progs):
         # the load STAGES - 1 tiles ahead goes into the slot read last iteration (all threads passed the
         # barrier after reading it)
-        tn = t + (STAGES - 1) * progs
         sn = (it + STAGES - 1) % STAGES
-        ok = tn < total
-        mbarrier.expect(ready.index(sn), 2 * h_desc.block_type.nbytes, pred=ok)
-        _tma_load(h_desc, [(tn // n_k) * BM, (tn % n_k) * BK], ready.index(sn),
-                                        gates.index(sn), pred=ok)
-        _tma_load(h_desc, [(tn // n_k) * BM, K + (tn % n_k) * BK], ready.index(sn),
-                                        ups.index(sn), pred=ok)
+        _issue_swiglu_tile(h_desc, t + (STAGES - 1) * progs, total, n_k, K, ready.index(sn), gates.index(sn),
+                           ups.index(sn), BM, BK)
 
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
