@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first device call session 15 left for the next one (one H200, ~5 min; not yet run):
+# The first device call session 15 left for the next one (one H200, ~5 min; run in session 16: results/h200/log_session16_next.txt):
 #  1. the unfused SwiGLU quantization (elementwise SwiGLU kernel + quantize_dual_128) against the fused kernels;
 #  2. the dynamo reset per recipe on the GPU: five recipes in one process under the default inductor-cudagraphs
 #     (session 15 saw the fifth run eager at 10x its step time before the fix);
