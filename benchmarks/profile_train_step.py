@@ -8,7 +8,8 @@ each CUDA kernel's total time per step. Written to explain the end-to-end figure
 
 JSON: per recipe, ``ms_per_step`` (GPU kernel time summed, all streams), ``categories`` (ms per step:
 attention, dense products, expert products, quantization, the layer's other kernels, the optimizer, the rest) and ``kernels`` (name, ms per step, launches per
-step), largest first. The categories come from kernel names (:func:`category`), so read the kernel
+step), largest first; ``layer_sequence``: one step's MoE-layer kernels (expert products, quantization, SwiGLU /
+permutation / combine) in launch order with each launch's time. The categories come from kernel names (:func:`category`), so read the kernel
 list before trusting them.
 """
 import argparse
@@ -78,12 +79,18 @@ def profile_recipe(cfg, recipe: str, steps: int, dev: torch.device, backend: str
             k[0] += e.device_time_total / 1e3 / steps  # ms per step
             k[1] += 1
     rows = sorted(([n, ms, c / steps] for n, (ms, c) in kernels.items()), key=lambda r: -r[1])
+    # one step's MoE-layer kernels in launch order, each with its own time (which quantization is which)
+    layer_cats = ("expert products", "quantization", "swiglu, permutation, combine")
+    seq = sorted((e.time_range.start, e.name, e.device_time_total / 1e3) for e in p.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and category(e.name) in layer_cats)
+    per_step = len(seq) // steps
     cats = {}
     for n, ms, _ in rows:
         cats[category(n)] = cats.get(category(n), 0.0) + ms
     return {"eager_ms_per_step": eager_ms, "ms_per_step": sum(r[1] for r in rows),
             "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-            "kernels": [{"name": n, "ms": ms, "launches": c} for n, ms, c in rows]}
+            "kernels": [{"name": n, "ms": ms, "launches": c} for n, ms, c in rows],
+            "layer_sequence": [{"name": n[:60], "ms": round(ms, 4)} for _, n, ms in seq[:per_step]]}
 
 
 def main():
