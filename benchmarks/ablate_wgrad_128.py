@@ -1,0 +1,106 @@
+"""Why the mx128 wgrad (K-grouped) product runs at ~850 TFLOP/s where fprop and dgrad run at 1150-1240 on the
+training preset's shapes (issue 22/23; the per-launch profile, session 16): its promotion against its tile
+pipeline, by ablation, on one H200.
+
+The promotion of each 128-token stage is ``acc += P * (sa[n] * sb[k])``: per element one FMUL and one FFMA,
+and the 32 column scales each thread needs are read from shared memory after the stage's wgmma wait. The
+ablations replace the library's ``_promote`` in this process only (before anything compiles; the library
+is untouched) and give wrong numbers on purpose:
+
+- ``full``: the kernel as it is;
+- ``row``: ``acc += P * sa[n]`` (no column scales: no FMUL, no column-scale loads);
+- ``none``: ``acc += P`` (no scales at all: the bare pipeline with the same wgmma chain and waits).
+
+Offline (Triton 3.6, sm_90a) the two ablations spill (1.5-1.7 KB per thread) where the full kernel does not,
+so their times are an upper bound of the ablated kernels' (a lower bound of what the promotion costs).
+
+Also the same product with BF16 output, at other tile configurations (``full`` only), and the M-grouped fprop / dgrad of the same layer for reference.
+Shapes: the gpu-throughput preset's layer (T = 32768 routed rows, dim 2048, F 4096, 8 experts, balanced):
+up projection (N = 2F = 8192, K = 2048) and down projection (N = 2048, K = 4096).
+
+    PYTHONPATH=. python benchmarks/ablate_wgrad_128.py --mode full --out out/wgrad_full.json
+"""
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+from bench_grouped_gemm import rand_fp8
+from bench_grouped_gemm_128 import scale_1x128, scale_128x128
+from mxmoe.kernels import sm90_mxfp8_grouped_gemm as G
+from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
+
+T, DIM, F, E = 32768, 2048, 4096, 8
+
+
+def patch(mode: str) -> None:
+    """Replace the promotion the K-grouped path compiles with (WB32 False); the M-grouped path is kept."""
+    if mode == "full":
+        return
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+
+    if mode == "row":
+        @gluon.jit
+        def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr):
+            if WB32:  # the library's M-grouped promotion, as it is
+                s2 = gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
+                return gl.fma(gl.reshape(p, [BMW, BN // 32, 32]), gl.expand_dims(s2, 2), acc)
+            else:
+                return gl.fma(p, gl.expand_dims(sa, 1), acc)
+    else:
+        @gluon.jit
+        def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr):
+            if WB32:
+                s2 = gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0)
+                return gl.fma(gl.reshape(p, [BMW, BN // 32, 32]), gl.expand_dims(s2, 2), acc)
+            else:
+                return acc + p
+    G._promote = _promote
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("full", "row", "none"), default="full")
+    ap.add_argument("--out", default="wgrad_ablation.json")
+    args = ap.parse_args()
+    patch(args.mode)
+    dev = "cuda"
+    offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * (T // E)
+    rows = []
+    for proj, N, K in (("up", 2 * F, DIM), ("down", DIM, F)):
+        flop = 2 * T * N * K
+        a, sa = rand_fp8(N, T), scale_1x128(N, T)  # dy^T / dh^T: 128x1 groups along tokens
+        b, sb = rand_fp8(K, T), scale_1x128(K, T)  # x^T / a^T
+        cases = [("wgrad fp32 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32,
+                                                                         check_offsets=False)),
+                 ("wgrad bf16 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16,
+                                                                         check_offsets=False))]
+        if args.mode == "full":  # wgrad at other tile configurations; M-grouped fprop of the same size
+            for cfg in (dict(chain=2), dict(chain=8), dict(group_m=4), dict(group_m=16), dict(group_m=1),
+                        dict(stages=3)):
+                c = Sm90TileConfig(**cfg)
+                cases.append((f"wgrad fp32 out {cfg}", lambda c=c: G.sm90_mx128_k_grouped_gemm(
+                    a, sa, b, sb, offs, torch.float32, check_offsets=False, config=c)))
+            x, sx = rand_fp8(T, K), scale_1x128(T, K)
+            w = rand_fp8(E, N, K)
+            sw, _ = scale_128x128(E, N, K)
+            cases.append(("fprop bf16 out", lambda: G.sm90_mx128_m_grouped_gemm(x, sx, w, sw, offs)))
+        for name, fn in cases:
+            fn()
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200)
+            rows.append({"mode": args.mode, "proj": proj, "case": name, "ms": round(ms, 4),
+                         "tflops": round(flop / ms / 1e9, 1)})
+            print(rows[-1], flush=True)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "shape": dict(T=T, dim=DIM, F=F, E=E), "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
