@@ -17,7 +17,7 @@ preset's h [32768, 8192] and Mixtral's [32768, 7168], N(0, 1) values (as the up 
 
 Session 16 (H200) ran this against a branch-free division (an approximate reciprocal, one Newton step and
 one FMA correction, no slow path): 1 of the 65,536 gate values came out wrong (forward; every t with it in
-d_up), and it was no faster on N(0, 1) data; IEEE division kept (``results/h200/silu_exhaustive_s16.json``).
+d_up), and it was no faster on N(0, 1) data; IEEE division kept (``results/h200/silu_exhaustive_s16_fastdiv.json``; this script as it is: ``silu_exhaustive_s16.json``).
 
     PYTHONPATH=. python benchmarks/check_silu_exhaustive.py --out out/silu.json
 """

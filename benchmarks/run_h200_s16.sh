@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 16's second device call (one H200, ~3 min); the first one's results are in results/h200/
-# (silu_exhaustive_s16*.json, train_gpu_throughput_s16*.json, log_session16_call1.txt):
+# (silu_exhaustive_s16_fastdiv.json, train_gpu_throughput_s16*.json, log_session16_call1.txt):
 #  1. SwiGLU's exact BF16 arithmetic on its whole domain, the kernels' timings on N(0, 1) h and their tile sweep;
 #  2. the 1x128 quantization kernels' SwiGLU rows on N(0, 1) h (bench_quantize.py now gives SwiGLU that input);
 #  3. the training step's kernel profile (bf16, mxfp8_128, inductor) with the MoE layer's launches in order.
