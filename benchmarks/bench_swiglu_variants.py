@@ -2,7 +2,8 @@
 Gluon kernels on one H200, each checked byte for byte against the default route, timed with do_bench
 in the same run, % of a device copy of the same bytes. Session 15's question: is the fused kernel
 (33-35% of copy with one 16-warp CTA per SM, register-fed or TMA-fed) bound by memory latency or by
-one CTA's barriers? Variants: warps per CTA, ``maxnreg`` (two 8-warp CTAs per SM at 128 registers),
+one CTA's barriers? (Session 15 ran it on bench_quantize.wide_randn rows, where IEEE division took its slow
+path; it now times N(0, 1) h: NOTES_quantize.md, session 16.) Variants: warps per CTA, ``maxnreg`` (two 8-warp CTAs per SM at 128 registers),
 TMA ring depth.
 
     PYTHONPATH=. python benchmarks/bench_swiglu_variants.py --out out/swiglu_variants.json
@@ -15,7 +16,7 @@ import torch
 import triton
 
 from mxmoe.kernels import quantize as Q
-from bench_quantize import copy_tbps, nbytes, wide_randn
+from bench_quantize import DEV, copy_tbps, nbytes
 
 SHAPES = [(32768, 7168), (131072, 2048), (16384, 5120)]  # h [M, 2F]
 
@@ -55,7 +56,7 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": []}
     for shape in SHAPES:
-        h = wide_randn(shape)
+        h = torch.randn(shape, device=DEV).to(torch.bfloat16)  # activation-like h (NOTES_quantize.md, session 16)
         want = Q.swiglu_quantize_128(h)[:4]
         for name, kind, tile, stages, maxnreg in VARIANTS:
             try:

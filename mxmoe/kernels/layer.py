@@ -23,6 +23,9 @@ from mxmoe.backend import interpreting as _soft
 from mxmoe.kernels.quantize import triton_cdiv as _cdiv
 
 _BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 4  # [4, 1024] tiles: 8 KB of BF16 per program, 16-byte accesses
+# swiglu_backward: one row per program (H200, h [32768, 8192]: 98% of copy against 91% at 4 rows;
+# benchmarks/NOTES_quantize.md, session 16)
+_BWD_ROWS = 1
 
 
 def _k():
@@ -104,9 +107,10 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
                              f"got h {tuple(h.shape)}, h_scale {tuple(h_scale.shape)}")
         h, hs = h.view(torch.uint8), h_scale.contiguous().view(torch.uint8)
     if M and F:
-        _k().swiglu_backward_kernel[_grid(M, F)](da, h, hs, dh, M, F, da.stride(0), h.stride(0), hs.stride(0),
-                                                 dh.stride(0), MX=h_scale is not None, BR=_BLOCK_ROWS,
-                                                 BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
+        grid = (_cdiv(M, _BWD_ROWS), _cdiv(F, _BLOCK_COLS))
+        _k().swiglu_backward_kernel[grid](da, h, hs, dh, M, F, da.stride(0), h.stride(0), hs.stride(0),
+                                          dh.stride(0), MX=h_scale is not None, BR=_BWD_ROWS,
+                                          BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
     return dh
 
 
