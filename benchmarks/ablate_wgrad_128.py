@@ -66,11 +66,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("full", "row", "none"), default="full")
     ap.add_argument("--out", default="wgrad_ablation.json")
+    ap.add_argument("--once", action="store_true",
+                    help="one call each of the up projection's wgrad (FP32 out) and fprop, no timing (under ncu)")
     args = ap.parse_args()
     patch(args.mode)
     dev = "cuda"
     offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * (T // E)
     rows = []
+    if args.once:
+        N, K = 2 * F, DIM
+        a, sa, b, sb = rand_fp8(N, T), scale_1x128(N, T), rand_fp8(K, T), scale_1x128(K, T)
+        G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32, check_offsets=False)
+        x, sx, w = rand_fp8(T, K), scale_1x128(T, K), rand_fp8(E, N, K)
+        G.sm90_mx128_m_grouped_gemm(x, sx, w, scale_128x128(E, N, K)[0], offs)
+        torch.cuda.synchronize()
+        return
     for proj, N, K in (("up", 2 * F, DIM), ("down", DIM, F)):
         flop = 2 * T * N * K
         a, sa = rand_fp8(N, T), scale_1x128(N, T)  # dy^T / dh^T: 128x1 groups along tokens

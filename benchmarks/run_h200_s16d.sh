@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 16's fourth device call (one H200, ~3 min): ncu of the mx128 wgrad (K-grouped, FP32 out) beside the fprop
+# of the same product (the gpu-throughput layer's up projection): speed of light, warp stall reasons, issue.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+D=$OUT; R=$OUT/s16d; mkdir -p "$R"
+OUT=$R; . benchmarks/h200_steps.sh
+step 300 ncu -k regex:sm90_mxfp8_grouped_gemm_kernel --launch-count 2 --section SpeedOfLight --section WarpStateStats \
+  --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv --page details \
+  -o "$R/wgrad_fprop" python3 benchmarks/ablate_wgrad_128.py --once
+ncu --import "$R/wgrad_fprop.ncu-rep" --csv --page details > "$R/wgrad_fprop_ncu.csv" 2>>"$LOG"
+grep -E "===|Error|ERR" "$LOG" | tail -c 3000
+python3 - "$R/wgrad_fprop_ncu.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+keep = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Issue Slots Busy", "Issued Warp Per Scheduler",
+        "No Eligible", "Stall", "Warp Cycles Per Issued Instruction", "L2 Hit Rate", "DRAM Throughput", "Executed Ipc")
+for r in rows:
+    if any(k in r.get("Metric Name", "") for k in keep):
+        print(r.get("ID"), r.get("Section Name", "")[:22], r["Metric Name"][:48], r.get("Metric Value"), r.get("Metric Unit"))
+PY
+tar czf "$D/s16d.tgz" -C "$R" .
