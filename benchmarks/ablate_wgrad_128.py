@@ -42,7 +42,6 @@ def patch(mode: str) -> None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-
     if mode == "row":
         @gluon.jit
         def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr):

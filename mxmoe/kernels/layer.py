@@ -38,9 +38,9 @@ def _rows_last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _grid(rows: int, cols: int):
-    """Programs of a [rows, cols] launch in [_BLOCK_ROWS, _BLOCK_COLS] tiles."""
-    return (_cdiv(rows, _BLOCK_ROWS), _cdiv(cols, _BLOCK_COLS))
+def _grid(rows: int, cols: int, block_rows: int = _BLOCK_ROWS):
+    """Programs of a [rows, cols] launch in [block_rows, _BLOCK_COLS] tiles."""
+    return (_cdiv(rows, block_rows), _cdiv(cols, _BLOCK_COLS))
 
 
 def gather_rows(x: torch.Tensor, src: torch.Tensor, rows: int) -> torch.Tensor:
@@ -107,10 +107,10 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
                              f"got h {tuple(h.shape)}, h_scale {tuple(h_scale.shape)}")
         h, hs = h.view(torch.uint8), h_scale.contiguous().view(torch.uint8)
     if M and F:
-        grid = (_cdiv(M, _BWD_ROWS), _cdiv(F, _BLOCK_COLS))
-        _k().swiglu_backward_kernel[grid](da, h, hs, dh, M, F, da.stride(0), h.stride(0), hs.stride(0),
-                                          dh.stride(0), MX=h_scale is not None, BR=_BWD_ROWS,
-                                          BF=_BLOCK_COLS, SOFT=_soft(), num_warps=_WARPS)
+        _k().swiglu_backward_kernel[_grid(M, F, _BWD_ROWS)](da, h, hs, dh, M, F, da.stride(0), h.stride(0),
+                                                            hs.stride(0), dh.stride(0), MX=h_scale is not None,
+                                                            BR=_BWD_ROWS, BF=_BLOCK_COLS, SOFT=_soft(),
+                                                            num_warps=_WARPS)
     return dh
 
 
