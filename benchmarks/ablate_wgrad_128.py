@@ -10,6 +10,9 @@ is untouched) and give wrong numbers on purpose:
 - ``full``: the kernel as it is;
 - ``row``: ``acc += P * sa[n]`` (no column scales: no FMUL, no column-scale loads);
 - ``none``: ``acc += P`` (no scales at all: the bare pipeline with the same wgmma chain and waits).
+- ``uniform``: the K-grouped tile map and operands with the M-grouped promotion (``WB32``: one scale per
+  128x128 tile, read before the wait, one FFMA per element), fed a dummy tile-scale tensor: fprop's consumer
+  on wgrad's problem (session 17; offline it compiles without spills, as fprop does).
 
 Offline (Triton 3.6, sm_90a) the two ablations spill (1.5-1.7 KB per thread) where the full kernel does not,
 so their times are an upper bound of the ablated kernels' (a lower bound of what the promotion costs).
@@ -37,7 +40,7 @@ T, DIM, F, E = 32768, 2048, 4096, 8
 
 def patch(mode: str) -> None:
     """Replace the promotion the K-grouped path compiles with (WB32 False); the M-grouped path is kept."""
-    if mode == "full":
+    if mode in ("full", "uniform"):
         return
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -61,9 +64,32 @@ def patch(mode: str) -> None:
     G._promote = _promote
 
 
+def k_grouped_uniform(a, sa, b, offs, out_dtype, cfg=None):
+    """The library's K-grouped launch with WB32 promotion and a dummy [T/128, K/32] tile-scale tensor (wrong
+    numbers on purpose: timing only)."""
+    cfg = cfg or Sm90TileConfig()
+    N, T = a.shape
+    K = b.shape[0]
+    E = offs.shape[0]
+    out = torch.empty(E, N, K, dtype=out_dtype, device=a.device)
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    s_a = G.sm90_scale_layout(sa[:, ::4])
+    s_b = torch.ones(triton.cdiv(T, 128), triton.cdiv(triton.cdiv(K, 32), 4) * 4, device=a.device)
+    mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
+    grid = (min(G._num_sms(a.device), E * mt * nt), )
+    c_desc = G._out_desc(out.view(E * N, K), cfg, 32)
+    G.sm90_mxfp8_grouped_gemm_kernel[grid](
+        G._desc(a, [BM, BK]), G._desc(b, [BN, BK]), G._desc(s_a, [1, BM]), G._desc(s_b, [1, 32]),
+        c_desc, out, offs, offs, E, 0, 0, mt, nt, N, K,
+        K_GROUPED=True, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=0,
+        SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4, maxnreg=cfg.maxnreg, SG=4,
+        CHAIN=cfg.chain)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("full", "row", "none"), default="full")
+    ap.add_argument("--mode", choices=("full", "row", "none", "uniform"), default="full")
     ap.add_argument("--out", default="wgrad_ablation.json")
     ap.add_argument("--once", action="store_true",
                     help="one call each of the up projection's wgrad (FP32 out) and fprop, no timing (under ncu)")
@@ -84,10 +110,20 @@ def main():
         flop = 2 * T * N * K
         a, sa = rand_fp8(N, T), scale_1x128(N, T)  # dy^T / dh^T: 128x1 groups along tokens
         b, sb = rand_fp8(K, T), scale_1x128(K, T)  # x^T / a^T
-        cases = [("wgrad fp32 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32,
-                                                                         check_offsets=False)),
-                 ("wgrad bf16 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16,
-                                                                         check_offsets=False))]
+        if args.mode == "uniform":
+            cases = [("wgrad fp32 out, uniform promotion", lambda: k_grouped_uniform(a, sa, b, offs, torch.float32)),
+                     ("wgrad bf16 out, uniform promotion", lambda: k_grouped_uniform(a, sa, b, offs, torch.bfloat16)),
+                     ("wgrad fp32 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32,
+                                                                             check_offsets=False))]
+            x, sx, w = rand_fp8(T, K), scale_1x128(T, K), rand_fp8(E, N, K)
+            sw, _ = scale_128x128(E, N, K)
+            cases.append(("fprop bf16 out", lambda: G.sm90_mx128_m_grouped_gemm(x, sx, w, sw, offs)))
+            cases.append(("fprop fp32 out", lambda: G.sm90_mx128_m_grouped_gemm(x, sx, w, sw, offs, torch.float32)))
+        else:
+            cases = [("wgrad fp32 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32,
+                                                                             check_offsets=False)),
+                     ("wgrad bf16 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16,
+                                                                             check_offsets=False))]
         if args.mode == "full":  # wgrad at other tile configurations; M-grouped fprop of the same size
             for cfg in (dict(chain=2), dict(chain=8), dict(group_m=4), dict(group_m=16), dict(group_m=1),
                         dict(stages=3)):

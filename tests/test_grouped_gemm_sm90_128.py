@@ -274,3 +274,51 @@ def test_other_chain_lengths_match_fp64(chain):
     out = torch.full((offs.shape[0], N, K), float("nan"), device="cuda")
     out = sm90_mx128_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, out=out, config=cfg)
     assert not out.isnan().any() and _rel_err(out, ref) <= TOL_FP32_OUT
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("vec", [1, 2, 4])
+def test_k_grouped_bf16_column_scales_are_bitwise_the_fp32_ones(vec, monkeypatch):
+    """The column scales read as BF16 (sm90_column_scales, any words-per-load) give the same bits as the
+    FP32 layout: same values, same arithmetic. A NaN column scale and the subnormal 2^-127 included; N and K
+    ending in partial tiles (K = 200: the last 128-column group padded)."""
+    import mxmoe.kernels.sm90_mxfp8_grouped_gemm as G
+
+    counts, N, K = [384, 0, 640, 128], 136, 200
+    a, b, offs, _ = _k_case(counts, N, K, 128, seed=21)
+    bs = b.scale.view(torch.uint8)
+    bs[7, 4:8] = 255  # column 7, tokens 128..255 (expert 0): NaN
+    bs[150, 8:12] = 0  # column 150, tokens 256..383: 2^-127
+    monkeypatch.setattr(G, "_COLUMN_VEC", 0)
+    want = _run_k(a, b, offs, torch.float32)
+    monkeypatch.setattr(G, "_COLUMN_VEC", vec)
+    for chain in (1, 2, 4):
+        out = torch.full_like(want, float("nan"))
+        got = sm90_mx128_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, out=out,
+                                        config=Sm90TileConfig(chain=chain))
+        assert torch.isnan(got[0, :, 7]).all() and not torch.isnan(got[2:]).any()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (vec, chain)
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("chain", [2, 4, 8])
+def test_staggered_chains_are_bitwise_the_unstaggered_ones(chain):
+    """``stagger`` only moves the second warpgroup's wgmma drains (stage counts below, equal to and above
+    chain / 2 included: 1, 2, 3 and 10 stages K-grouped, 9 and 11 M-grouped): same promotions in the same order."""
+    plain, stag = Sm90TileConfig(chain=chain), Sm90TileConfig(chain=chain, stagger=True)
+    for case in (M_CASES[1], M_CASES[2]):
+        counts, N, K, extra = case
+        a, b, offs, ref, rows = _m_case(counts, N, K, extra, seed=13)
+        want = _run_m(a, b, offs, torch.float32, config=plain)
+        got = _run_m(a, b, offs, torch.float32, config=stag)
+        assert torch.equal(got[:rows].view(torch.int32), want[:rows].view(torch.int32))
+        assert _rel_err(got[:rows], ref[:rows]) <= TOL_FP32_OUT
+    counts, N, K, extra = K_CASES[1]
+    a, b, offs, ref = _k_case(counts + [1280, 256, 128], N, K, extra, seed=14)
+    want = sm90_mx128_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, config=plain)
+    out = torch.full_like(want, float("nan"))
+    got = sm90_mx128_k_grouped_gemm(a.data, a.scale, b.data, b.scale, offs, out=out, config=stag)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert _rel_err(got, ref) <= TOL_FP32_OUT
