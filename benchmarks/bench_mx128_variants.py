@@ -9,7 +9,7 @@ included), halves those bytes, and unpacks with one integer op per value. This b
 product with each column-scale format (``_COLUMN_VEC``: 0 = FP32, else BF16 words per thread per load: 1, 2 or
 4, see ``sm90_scales.column_scale_order``), wgmma chain and stagger, checks that every variant's output is
 bitwise the first variant's (the arithmetic is the same), and writes JSON. ``--set columns`` is session 17's
-first call (column-scale formats), ``--set stagger`` its second.
+first call (column-scale formats), ``--set stagger`` its second, ``--set early`` its fourth (BF16 column scales read before the wait).
 
 Shapes: the gpu-throughput preset's layer (T = 32768 routed rows, dim 2048, F 4096, 8 experts, balanced): up
 projection (N = 2F = 8192, K = 2048) and down (N = 2048, K = 4096); FP32 output (the layer's).
@@ -36,6 +36,10 @@ SETS = {
                 ((4, False),)),
     "stagger": (((0, 4, False), (0, 4, True), (0, 2, True), (0, 8, True), (4, 2, True), (4, 4, True)),
                 ((4, False), (4, True), (8, False), (8, True), (2, True))),
+    # BF16 column scales read before each stage's wait (16 packed words live across it, not 32 FP32 values)
+    "early": (((0, 4, False), (4, 2, False), (4, 2, True), (2, 2, False), (1, 2, False), (4, 4, False),
+               (4, 4, True)),
+              ((4, False),)),
 }
 
 

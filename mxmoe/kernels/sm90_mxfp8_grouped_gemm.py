@@ -267,12 +267,16 @@ if HAS_GLUON:
             NC: gl.constexpr = BN // 8 // SBV
             words_l: gl.constexpr = _column_words_layout(BN, SBV)
             q = row_smem._reinterpret(gl.int32, [BN // 2], row_smem.layout).load(words_l)
-            w = gl.reshape(gl.permute(gl.reshape(q, [NC, 4, SBV]), (0, 2, 1)), [BN // 2])  # index p
-            lo = (w << 16).to(gl.float32, bitcast=True)
-            hi = (w & -65536).to(gl.float32, bitcast=True)
-            v = gl.reshape(gl.join(lo, hi), [BN])  # index 2p + b
-            sb = gl.convert_layout(v, gl.SliceLayout(0, mma_layout), assert_trivial=True)
+            sb = gl.reshape(gl.permute(gl.reshape(q, [NC, 4, SBV]), (0, 2, 1)), [BN // 2])  # words by pair p
         return sb
+
+    @gluon.jit
+    def _decode_column_words(w, BN: gl.constexpr, mma_layout: gl.constexpr):
+        """BF16 pairs (word p: columns 2p, 2p+1) -> the BN FP32 column scales in the accumulator's layout."""
+        lo = (w << 16).to(gl.float32, bitcast=True)
+        hi = (w & -65536).to(gl.float32, bitcast=True)
+        v = gl.reshape(gl.join(lo, hi), [BN])  # index 2p + b
+        return gl.convert_layout(v, gl.SliceLayout(0, mma_layout), assert_trivial=True)
 
     @gluon.jit
     def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr):
@@ -320,6 +324,9 @@ if HAS_GLUON:
         if not EARLY:
             sa, sb = _load_scales(sa_rows, sb_rows, idx, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
         _release(empty, idx)
+        if not WB32:
+            if SBV > 0:
+                sb = _decode_column_words(sb, BN, mma_layout)
         acc = _promote(acc, p, sa, sb, BMW, BN, WB32)
         return p, acc
 
@@ -342,17 +349,19 @@ if HAS_GLUON:
         for j in gl.static_range(1, U):
             i_j = (it + j) % STAGES
             mbarrier.wait(ready.index(i_j), ((it + j) // STAGES) & 1)
-            if WB32:
+            if WB32 or SBV > 0:
                 sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
             else:
                 sa, sb = acc, acc  # placeholders: _retire128 reads the scales after its wait
             if j % 2 == 1:
                 p_b = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_b)
-                p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32, ROW0, BMW, BN, WB32,
+                p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32 or SBV > 0, ROW0, BMW,
+                                      BN, WB32,
                                       mma_layout, l3, SBV)
             else:
                 p_a = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_a)
-                p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32, ROW0, BMW, BN, WB32,
+                p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32 or SBV > 0, ROW0, BMW,
+                                      BN, WB32,
                                       mma_layout, l3, SBV)
             i_prev = i_j
         sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
@@ -866,7 +875,7 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
 # ----------------------------------------------------------------------------------------------
 
 GROUP = 128  # scale group along the contraction dim in the mx128 mode
-_COLUMN_VEC = 0  # K-grouped mx128: BF16 column-scale words per thread per shared-memory load (sm90_column_scales)
+_COLUMN_VEC = 4  # K-grouped mx128: BF16 column-scale words per thread per shared-memory load (sm90_column_scales)
 _SG = GROUP // MX_BLOCK  # 32-blocks per scale group
 
 
