@@ -38,15 +38,6 @@ def check_all(device: str) -> None:
     same(S.sm90_scale_layout(s[:, ::4]), S.sm90_scale_layout_reference(s[:, ::4]), "strided rows [:, ::4]")
     w = _bytes((3, 96, 16), gen, device)
     same(S.sm90_scale_layout(w[:, ::32, ::4]), S.sm90_scale_layout_reference(w[:, ::32, ::4]), "weight tiles")
-    for vec in (1, 2, 4):  # BF16 column scales of the K-grouped mx128 product
-        for shape in [(300, 20), (128, 4), (1, 8), (256, 36)]:
-            s = _bytes(shape, gen, device)
-            for view, name in ((s, "rows"), (s[:, ::4], "rows [:, ::4]")):
-                got = S.sm90_column_scales(view, vec)
-                want = S.sm90_column_scales_reference(view, vec)
-                assert got.dtype == torch.bfloat16, f"column scales {shape}: dtype {got.dtype}"
-                same(got.view(torch.int16).to(torch.int32), want.view(torch.int16).to(torch.int32),
-                     f"column scales vec {vec} {shape} {name}")
     for counts, extra in [([100, 0, 333, 27, 0], 5), ([0, 130, 70], 0), ([3, 1, 0, 200] * 9, 7), ([0], 4), ([9], 0)]:
         M = sum(counts) + extra
         s = _bytes((M, 20), gen, device)
@@ -78,27 +69,6 @@ def test_reference_special_bytes():
     v = S.sm90_scale_layout_reference(b)[0]  # [1, 4]: the four values, transposed
     assert v[0].item() == 2.0 ** -127 and v[1].item() == 2.0 ** -126 and v[2].item() == 1.0
     assert torch.isnan(v[3]) and v.view(torch.int32)[3].item() == 0x7FC00000
-
-
-@pytest.mark.parametrize("vec", [1, 2, 4])
-def test_column_scale_order_is_a_permutation_and_column_values_are_exact(vec):
-    pos = S.column_scale_order(vec)
-    assert sorted(pos.tolist()) == list(range(128))
-    # thread quad g's words for one load are contiguous: columns 8i + 2g + b, i = r + vec * c
-    for g in range(4):
-        for c in range(128 // 8 // vec):
-            words = sorted({int(pos[8 * (r + vec * c) + 2 * g]) // 2 for r in range(vec)})
-            assert words == list(range(words[0], words[0] + vec)) and words[0] % vec == 0
-    b = torch.tensor([[0], [1], [127], [254], [255]], dtype=torch.uint8)
-    b = torch.cat([b, torch.full((128 - 5, 1), 127, dtype=torch.uint8)]).view(torch.float8_e8m0fnu)
-    v = S.sm90_column_scales_reference(b, vec)[0]  # [128]: column n at pos[n]
-    got = [v[int(pos[n])] for n in range(5)]
-    assert got[0].item() == 2.0 ** -127 and got[1].item() == 2.0 ** -126 and got[2].item() == 1.0
-    assert got[3].item() == 2.0 ** 127 and torch.isnan(got[4])
-    with pytest.raises(ValueError, match="vec"):
-        S.sm90_column_scales(b, 3)
-    with pytest.raises(ValueError, match="2-D"):
-        S.sm90_column_scales(b.view(1, 128, 1), vec)
 
 
 def test_bad_dtypes():

@@ -75,7 +75,7 @@ import functools
 import torch
 
 from mxmoe.backend import capability
-from mxmoe.kernels.sm90_scales import sm90_column_scales, sm90_m_grouped_scales, sm90_scale_layout
+from mxmoe.kernels.sm90_scales import sm90_m_grouped_scales, sm90_scale_layout
 from mxmoe.kernels.sm90_tile_config import (SMEM_PER_CTA, Sm90TileConfig, check_tile_config, sm90_mx128_tile_config,
                                              sm90_tile_config, smem_bytes)
 
@@ -232,7 +232,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_scales(sa_rows, sb_rows, row, ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
-                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr, SBV: gl.constexpr):
+                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
         """One MX step's scales from smem (row ``row`` of the rings), in the layouts _promote needs.
 
         l3 is the register layout of the [BMW, BN/32, 32] view of an MMA tile (32x32 weights)."""
@@ -242,41 +242,8 @@ if HAS_GLUON:
             sb = sb_rows.index(row).slice(0, BN // 32).load(gl.SliceLayout(0, l2))
         else:
             sa = sa_rows.index(row).slice(ROW0, BMW).load(gl.SliceLayout(1, mma_layout))
-            sb = _load_column_scales(sb_rows.index(row), BN, mma_layout, SBV)
+            sb = sb_rows.index(row).load(gl.SliceLayout(0, mma_layout))
         return sa, sb
-
-    @gluon.constexpr_function
-    def _column_words_layout(BN, SBV):
-        """Register layout of one stage's BN/2 column-scale words (index q = r + SBV * (g + 4c)): r and c in
-        registers, g = lane % 4, the rest of the lanes and the warps broadcast."""
-        nc = BN // 8 // SBV
-        reg = [[1 << j] for j in range(SBV.bit_length() - 1)] + [[4 * SBV << j] for j in range(nc.bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[SBV], [2 * SBV], [0], [0], [0]],
-                                          warp_bases=[[0], [0]], block_bases=[], shape=[BN // 2])
-
-    @gluon.jit
-    def _load_column_scales(row_smem, BN: gl.constexpr, mma_layout: gl.constexpr, SBV: gl.constexpr):
-        """One stage's per-column scales in the accumulator's column layout. SBV 0: an FP32 row; else a
-        BF16 row in :func:`~mxmoe.kernels.sm90_scales.column_scale_order` (SBV words per thread per load):
-        half the shared-memory bytes, each word unpacked to two FP32 values with one integer op each."""
-        if SBV == 0:
-            sb = row_smem.load(gl.SliceLayout(0, mma_layout))
-        else:
-            # A thread of the m64nBN accumulator holds columns 8i + 2g + {0, 1} (g = lane % 4): BF16 pairs
-            # p = 4i + g, stored at word q = r + SBV * (g + 4c) for i = r + SBV * c.
-            NC: gl.constexpr = BN // 8 // SBV
-            words_l: gl.constexpr = _column_words_layout(BN, SBV)
-            q = row_smem._reinterpret(gl.int32, [BN // 2], row_smem.layout).load(words_l)
-            sb = gl.reshape(gl.permute(gl.reshape(q, [NC, 4, SBV]), (0, 2, 1)), [BN // 2])  # words by pair p
-        return sb
-
-    @gluon.jit
-    def _decode_column_words(w, BN: gl.constexpr, mma_layout: gl.constexpr):
-        """BF16 pairs (word p: columns 2p, 2p+1) -> the BN FP32 column scales in the accumulator's layout."""
-        lo = (w << 16).to(gl.float32, bitcast=True)
-        hi = (w & -65536).to(gl.float32, bitcast=True)
-        v = gl.reshape(gl.join(lo, hi), [BN])  # index 2p + b
-        return gl.convert_layout(v, gl.SliceLayout(0, mma_layout), assert_trivial=True)
 
     @gluon.jit
     def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr):
@@ -314,7 +281,7 @@ if HAS_GLUON:
     @gluon.jit
     def _retire128(p, acc, sa, sb, sa_rows, sb_rows, empty, idx, N_OUT: gl.constexpr, EARLY: gl.constexpr,
                    ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr,
-                   mma_layout: gl.constexpr, l3: gl.constexpr, SBV: gl.constexpr):
+                   mma_layout: gl.constexpr, l3: gl.constexpr):
         """mx128 mode: retire partial ``p`` (slot ``idx``; N_OUT wgmma groups may stay in flight), hand the
         slot back and promote it. EARLY: ``sa, sb`` are the slot's scales, read by the caller before it
         issued the next stage (latency under the tensor core; few scales with 128x128 weight tiles); else
@@ -322,18 +289,15 @@ if HAS_GLUON:
         fit in registers across the wait beside three FP32 tiles: ptxas spilled)."""
         p = warpgroup_mma_wait(num_outstanding=N_OUT, deps=(p, ))
         if not EARLY:
-            sa, sb = _load_scales(sa_rows, sb_rows, idx, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
+            sa, sb = _load_scales(sa_rows, sb_rows, idx, ROW0, BMW, BN, WB32, mma_layout, l3)
         _release(empty, idx)
-        if not WB32:
-            if SBV > 0:
-                sb = _decode_column_words(sb, BN, mma_layout)
         acc = _promote(acc, p, sa, sb, BMW, BN, WB32)
         return p, acc
 
     @gluon.jit
     def _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, U: gl.constexpr,
                   ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                  WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr, SBV: gl.constexpr):
+                  WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
         """mx128 mode: U consecutive 128-deep stages (ring slots it .. it+U-1), unrolled.
 
         Stage j's wgmmas go into partial j % 2 (one wgmma call = one commit group); once stage j is
@@ -349,56 +313,45 @@ if HAS_GLUON:
         for j in gl.static_range(1, U):
             i_j = (it + j) % STAGES
             mbarrier.wait(ready.index(i_j), ((it + j) // STAGES) & 1)
-            if WB32 or SBV > 0:
-                sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
+            if WB32:
+                sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
             else:
                 sa, sb = acc, acc  # placeholders: _retire128 reads the scales after its wait
             if j % 2 == 1:
                 p_b = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_b)
-                p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32 or SBV > 0, ROW0, BMW,
-                                      BN, WB32,
-                                      mma_layout, l3, SBV)
+                p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32, ROW0, BMW, BN, WB32,
+                                      mma_layout, l3)
             else:
                 p_a = _stage_mma(a_bufs.index(i_j), b_bufs.index(i_j), ROW0, BMW, p_a)
-                p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32 or SBV > 0, ROW0, BMW,
-                                      BN, WB32,
-                                      mma_layout, l3, SBV)
+                p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32, ROW0, BMW, BN, WB32,
+                                      mma_layout, l3)
             i_prev = i_j
-        sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
+        sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
         if (U - 1) % 2 == 0:
             p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 0, True, ROW0, BMW, BN, WB32,
-                                  mma_layout, l3, SBV)
+                                  mma_layout, l3)
         else:
             p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 0, True, ROW0, BMW, BN, WB32,
-                                  mma_layout, l3, SBV)
+                                  mma_layout, l3)
         return acc, p_a, p_b, it + U
 
     @gluon.jit
     def _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, nstages,
                      ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr, CHAIN: gl.constexpr,
-                     SBV: gl.constexpr, STAGGER: gl.constexpr):
+                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr, CHAIN: gl.constexpr):
         """mx128 mode: the K loop of one tile, ``nstages`` stages of 128 (one scale row each): chains of
-        CHAIN stages (one wgmma drain per chain), then the remainder in chains of 2 and 1. STAGGER: the
-        second warpgroup starts with a chain of CHAIN/2, so the two warpgroups' drains fall half a chain
-        apart (one drains while the other still has stages queued in the tensor core)."""
-        if STAGGER:
-            if ROW0 > 0:
-                if nstages >= CHAIN // 2:
-                    acc, p_a, p_b, it = _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it,
-                                                  CHAIN // 2, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, SBV)
-                    nstages = nstages - CHAIN // 2
+        CHAIN stages (one wgmma drain per chain), then the remainder in chains of 2 and 1."""
         for _ in range(nstages // CHAIN):
             acc, p_a, p_b, it = _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, CHAIN,
-                                          ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, SBV)
+                                          ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
         if CHAIN > 2:
             for _ in range((nstages % CHAIN) // 2):
                 acc, p_a, p_b, it = _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, 2,
-                                              ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, SBV)
+                                              ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
         if CHAIN > 1:
             if nstages % 2 == 1:
                 acc, p_a, p_b, it = _chain128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it, 1,
-                                              ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, SBV)
+                                              ROW0, BMW, BN, STAGES, WB32, mma_layout, l3)
         return acc, p_a, p_b, it
 
     @gluon.jit
@@ -419,8 +372,7 @@ if HAS_GLUON:
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                   ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SG: gl.constexpr, CHAIN: gl.constexpr, SBV: gl.constexpr,
-                  STAGGER: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SG: gl.constexpr, CHAIN: gl.constexpr):
         """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
         MX step, promotion of the previous step while the next one runs, then the tile's store."""
         KB: gl.constexpr = BK // 32
@@ -447,8 +399,7 @@ if HAS_GLUON:
                 acc = gl.zeros([BMW, BN], gl.float32, mma_layout)
             if SG > 1:  # mx128 mode: one promotion per 128-deep stage
                 acc, p_a, p_b, it = _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it,
-                                                 nsteps // KB, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, CHAIN, SBV,
-                                                 STAGGER)
+                                                 nsteps // KB, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, CHAIN)
             else:
                 for s in range(gl.cdiv(nsteps, KB)):
                     idx = it % STAGES
@@ -464,36 +415,36 @@ if HAS_GLUON:
                         p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a)
                         for j in gl.static_range(1, KB):
                             if EARLY_SCALES:
-                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
                             if j % 2 == 1:
                                 p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b)
                                 p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
                                 if not EARLY_SCALES:
                                     sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
-                                                          l3, SBV)
+                                                          l3)
                                 acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
                             else:
                                 p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
                                 p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
                                 if not EARLY_SCALES:
                                     sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
-                                                          l3, SBV)
+                                                          l3)
                                 acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
                         # The last step retires with wait(0): no wgmma stays in flight across the loop
                         # back-edge (that makes ptxas serialize every wgmma, warning C7514).
                         if KB % 2 == 0:
                             p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
-                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
                             acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
                         else:
                             p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
                             acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
                     else:
                         # Tail stage of a contraction range that is not a multiple of BK: synchronous steps.
                         for j in gl.static_range(KB):
                             if j < nsteps - s * KB:
-                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3, SBV)
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3)
                                 p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
                                 p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
                                 acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
@@ -527,8 +478,7 @@ if HAS_GLUON:
             E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
             K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
             SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, TMA_STORE: gl.constexpr,
-            num_warps: gl.constexpr, SG: gl.constexpr = 1, CHAIN: gl.constexpr = 2, SBV: gl.constexpr = 0,
-            STAGGER: gl.constexpr = False):
+            num_warps: gl.constexpr, SG: gl.constexpr = 1, CHAIN: gl.constexpr = 2):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -560,10 +510,10 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN, SBV, STAGGER)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN)),
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN, SBV, STAGGER)),
+                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
@@ -572,7 +522,7 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, TMA_STORE, SG, CHAIN, SBV, STAGGER)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, TMA_STORE, SG, CHAIN)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
@@ -581,7 +531,7 @@ if HAS_GLUON:
 
 def _nvmma_layout(block, gl_dtype):
     """Shared-memory layout of a TMA box: 128-byte swizzle for FP8 tiles, none for FP32 scale rows."""
-    return _box_layout(tuple(block), gl_dtype, gl_dtype not in (gl.float32, gl.bfloat16))
+    return _box_layout(tuple(block), gl_dtype, gl_dtype != gl.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -589,8 +539,7 @@ def _box_layout(block: tuple, gl_dtype, swizzled: bool):
     """The layout object of a TMA box, built once per (box, dtype, swizzle): every product makes four
     to five descriptors, and building their layouts is host time on the step's critical path."""
     if not swizzled:
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=gl_dtype.primitive_bitwidth,
-                                    rank=len(block))
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block))
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
@@ -680,7 +629,7 @@ def _fit_box(t: torch.Tensor, block: list[int]) -> torch.Tensor:
 
 
 def _desc(t: torch.Tensor, block: list[int]):
-    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32, torch.bfloat16: gl.bfloat16}[t.dtype]
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.float32: gl.float32}[t.dtype]
     t = _fit_box(t, block)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _nvmma_layout(block, gl_dtype))
 
@@ -875,7 +824,6 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
 # ----------------------------------------------------------------------------------------------
 
 GROUP = 128  # scale group along the contraction dim in the mx128 mode
-_COLUMN_VEC = 4  # K-grouped mx128: BF16 column-scale words per thread per shared-memory load (sm90_column_scales)
 _SG = GROUP // MX_BLOCK  # 32-blocks per scale group
 
 
@@ -984,7 +932,7 @@ def sm90_mx128_m_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
         _desc(sb, sb_block), c_desc, out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
         K_GROUPED=False, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=_search_steps(E),
         SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
-        maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain, STAGGER=cfg.stagger)
+        maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
     return out
 
 
@@ -1041,11 +989,7 @@ def sm90_mx128_k_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
     if T == 0:
         return out.zero_()
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
-    sa = sm90_scale_layout(a_scale[:, ::_SG])  # [ceil(T/128), N_pad] FP32 row scales
-    if _COLUMN_VEC:
-        sb = sm90_column_scales(b_scale[:, ::_SG], _COLUMN_VEC)  # [ceil(T/128), K_pad] BF16 column scales
-    else:
-        sb = sm90_scale_layout(b_scale[:, ::_SG])  # [ceil(T/128), K_pad] FP32
+    sa, _, sb = sm90_mx128_scale_layouts(a_scale, b_scale)
     mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
     grid = (min(_num_sms(a_data.device), E * mt * nt), )
     c_desc = _out_desc(out.view(E * N, K), cfg, BN)
@@ -1054,6 +998,5 @@ def sm90_mx128_k_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
         c_desc, out, offs, offs, E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=0,
         SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
-        maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain, SBV=_COLUMN_VEC,
-        STAGGER=cfg.stagger)
+        maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
     return out

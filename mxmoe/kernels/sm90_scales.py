@@ -31,11 +31,9 @@ try:  # Triton is optional: `import mxmoe` must work without it.
 except Exception:  # pragma: no cover - depends on the installed triton
     HAS_TRITON = False
 
-__all__ = ["sm90_scale_layout", "sm90_scale_layout_reference", "sm90_grouped_scale_layout", "sm90_m_grouped_scales",
-           "sm90_column_scales", "sm90_column_scales_reference", "column_scale_order"]
+__all__ = ["sm90_scale_layout", "sm90_scale_layout_reference", "sm90_grouped_scale_layout", "sm90_m_grouped_scales"]
 
 ALIGN = 4  # columns: a group's first scale starts 16 bytes into an FP32 row
-COLUMN_BLOCK = 128  # output columns per tile of the K-grouped mx128 GEMM (sm90_column_scales' groups)
 MAX_GROUPS_ONE_BLOCK = 1024  # sm90_m_grouped_scales keeps every group's offset in registers up to here
 
 
@@ -50,39 +48,6 @@ def sm90_scale_layout_reference(scale: torch.Tensor, col_pad: int = ALIGN) -> to
     r_pad = -(-r // col_pad) * col_pad
     out = torch.zeros(*vals.shape[:-1], r_pad, dtype=torch.float32, device=scale.device)
     out[..., :r] = vals
-    return out
-
-
-def column_scale_order(vec: int, block: int = COLUMN_BLOCK) -> torch.Tensor:
-    """Where :func:`sm90_column_scales` stores each column of a ``block``-column group: ``pos[n]``.
-
-    Column ``n``'s pair ``p = n // 2`` (two BF16 scales per 32-bit word) is split as
-    ``p = g + 4 * (r + vec * c)`` (``g``: the thread's column quad in the wgmma accumulator layout,
-    ``r < vec``, ``c`` the rest) and stored at word ``q = r + vec * (g + 4 * c)``: the ``vec`` words
-    one thread needs per load are contiguous (one ``vec * 4``-byte shared-memory load), and the four
-    quads of one load lie side by side (no bank conflict).
-    """
-    n = torch.arange(block)
-    p, b = n // 2, n % 2
-    g, rest = p % 4, p // 4
-    r, c = rest % vec, rest // vec
-    return 2 * (r + vec * (g + 4 * c)) + b
-
-
-def sm90_column_scales_reference(scale: torch.Tensor, vec: int) -> torch.Tensor:
-    """Pure-torch :func:`sm90_column_scales` (same arguments, same bytes)."""
-    b = scale.view(torch.uint8).to(torch.int32).transpose(-2, -1)  # [C, R]
-    bits = torch.where(b == 0, 0x0040, torch.where(b == 255, 0x7FC0, b << 7))  # BF16 2^(b-127), exact
-    vals = bits.to(torch.int16).view(torch.bfloat16)
-    c, r = vals.shape
-    r_pad = -(-r // COLUMN_BLOCK) * COLUMN_BLOCK
-    out = torch.zeros(c, r_pad, dtype=torch.bfloat16, device=scale.device)
-    pos = column_scale_order(vec).to(scale.device)
-    cols = (torch.arange(r_pad, device=scale.device) // COLUMN_BLOCK * COLUMN_BLOCK
-            + pos.repeat(r_pad // COLUMN_BLOCK))
-    padded = torch.zeros(c, r_pad, dtype=torch.bfloat16, device=scale.device)
-    padded[:, :r] = vals
-    out[:, cols] = padded
     return out
 
 
@@ -137,33 +102,16 @@ if HAS_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _e8m0_bf16_bits(b):
-        """E8M0 byte (int32) -> the BF16 bits of 2^(b-127) (exact: 0 -> the subnormal 0x0040, 255 -> NaN)."""
-        bits = b << 7
-        bits = tl.where(b == 0, 0x0040, bits)
-        bits = tl.where(b == 255, 0x7FC0, bits)
-        return bits.to(tl.int16)
-
-    @triton.jit
     def _transpose_kernel(src, dst, R, C, R_pad, s_b, s_r, s_c,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COL_VEC: tl.constexpr):
-        """dst[b, c, r] = value(src[b, r, c]) for r < R, 0 for R <= r < R_pad. COL_VEC 0: FP32 values;
-        else BF16 bits with r stored at column_scale_order(COL_VEC) inside each 128-column group."""
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dst[b, c, r] = value(src[b, r, c]) for r < R, 0 for R <= r < R_pad."""
         pb = tl.program_id(2).to(tl.int64)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         inside = (r[:, None] < R) & (c[None, :] < C)
         b = tl.load(src + pb * s_b + r[:, None].to(tl.int64) * s_r + c[None, :] * s_c, mask=inside, other=0)
-        if COL_VEC == 0:
-            v = tl.where(inside, _e8m0_value(b.to(tl.int32)), 0.0)
-            col = r
-        else:
-            v = tl.where(inside, _e8m0_bf16_bits(b.to(tl.int32)), 0)
-            n = r % 128
-            p = n // 2
-            rest = p // 4
-            col = r - n + 2 * (rest % COL_VEC + COL_VEC * (p % 4 + 4 * (rest // COL_VEC))) + n % 2
-        out = dst + pb * C * R_pad + c[None, :].to(tl.int64) * R_pad + col[:, None]
+        v = tl.where(inside, _e8m0_value(b.to(tl.int32)), 0.0)
+        out = dst + pb * C * R_pad + c[None, :].to(tl.int64) * R_pad + r[:, None]
         tl.store(out, v, mask=(r[:, None] < R_pad) & (c[None, :] < C))
 
     @triton.jit
@@ -230,42 +178,8 @@ def sm90_scale_layout(scale: torch.Tensor, col_pad: int = ALIGN) -> torch.Tensor
     out = torch.empty(s3.shape[0], C, r_pad, dtype=torch.float32, device=scale.device)
     BR, BC = 64, 32
     grid = (triton.cdiv(r_pad, BR), triton.cdiv(C, BC), s3.shape[0])
-    _transpose_kernel[grid](s3, out, R, C, r_pad, s3.stride(0), s3.stride(1), s3.stride(2), BLOCK_R=BR, BLOCK_C=BC,
-                            COL_VEC=0)
+    _transpose_kernel[grid](s3, out, R, C, r_pad, s3.stride(0), s3.stride(1), s3.stride(2), BLOCK_R=BR, BLOCK_C=BC)
     return out.view(*lead, C, r_pad)
-
-
-def sm90_column_scales(scale: torch.Tensor, vec: int) -> torch.Tensor:
-    """Per-column scales of a K-grouped mx128 product (the output columns' operand) -> BF16, transposed,
-    each 128-column group in :func:`column_scale_order` (``vec``: 1, 2 or 4 words per load).
-
-    ``scale`` ``[R, C]`` E8M0 (any strides; R = output columns, C = 128-token groups) -> ``[C, R_pad]``
-    ``torch.bfloat16`` values ``2^(b-127)`` (exact in BF16, the subnormal 2^-127 and NaN included),
-    ``R_pad`` = R rounded up to 128, pad columns 0. Half the bytes of the FP32 layout: the wgrad
-    kernel's consumer reads 32 column scales per thread per 128-deep stage from shared memory, and their
-    load wavefronts, not the tensor cores, bounded it (benchmarks/NOTES_grouped_gemm.md, session 17).
-    One Triton launch on CUDA; :func:`sm90_column_scales_reference` elsewhere.
-
-    Raises:
-        TypeError: ``scale`` not ``float8_e8m0fnu``. ValueError: not 2-D, or ``vec`` not 1, 2 or 4.
-    """
-    if scale.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"scale must be torch.float8_e8m0fnu, got {scale.dtype}")
-    if scale.dim() != 2:
-        raise ValueError(f"scale must be 2-D [columns, groups], got shape {tuple(scale.shape)}")
-    if vec not in (1, 2, 4):
-        raise ValueError(f"vec must be 1, 2 or 4 words per load, got {vec}")
-    if not _fast(scale) or scale.numel() == 0:
-        return sm90_column_scales_reference(scale, vec)
-    R, C = scale.shape
-    u8 = scale.view(torch.uint8)
-    r_pad = -(-R // COLUMN_BLOCK) * COLUMN_BLOCK
-    out = torch.empty(C, r_pad, dtype=torch.bfloat16, device=scale.device)
-    BR, BC = 64, 32
-    grid = (triton.cdiv(r_pad, BR), triton.cdiv(C, BC), 1)
-    _transpose_kernel[grid](u8, out.view(torch.int16), R, C, r_pad, 0, u8.stride(0), u8.stride(1), BLOCK_R=BR,
-                            BLOCK_C=BC, COL_VEC=vec)
-    return out
 
 
 def sm90_m_grouped_scales(scale: torch.Tensor, offs: torch.Tensor, block_m: int, n_tiles: int):

@@ -38,7 +38,6 @@ class Sm90TileConfig:
     split_wg: bool = True  # each consumer warpgroup its own partition (else one 8-warp partition)
     tma_store: bool = True  # epilogue through shared memory + TMA store where a tile's rows fill its group
     chain: int = 4  # mx128 mode only: 128-deep stages per unrolled K-loop chain (one wgmma drain per chain)
-    stagger: bool = False  # mx128 mode only: the second consumer warpgroup's chains offset by chain / 2
     maxnreg: int = 168  # per-thread cap at launch: 12 warps x 168 = producer warpgroup x 24 + 8 consumer
     #                     warps x 240 after setmaxnreg (Triton's AllocateWarpGroups arithmetic)
 
