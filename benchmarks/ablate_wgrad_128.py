@@ -92,7 +92,8 @@ def main():
     ap.add_argument("--mode", choices=("full", "row", "none", "uniform"), default="full")
     ap.add_argument("--out", default="wgrad_ablation.json")
     ap.add_argument("--once", action="store_true",
-                    help="one call each of the up projection's wgrad (FP32 out) and fprop, no timing (under ncu)")
+                    help="one call each of the up projection's wgrad (FP32 out) and fprop (and with --mode uniform the "
+                         "uniform-promotion wgrad), no timing (under ncu)")
     args = ap.parse_args()
     patch(args.mode)
     dev = "cuda"
@@ -104,6 +105,8 @@ def main():
         G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32, check_offsets=False)
         x, sx, w = rand_fp8(T, K), scale_1x128(T, K), rand_fp8(E, N, K)
         G.sm90_mx128_m_grouped_gemm(x, sx, w, scale_128x128(E, N, K)[0], offs)
+        if args.mode == "uniform":  # third launch: the same wgrad with fprop's promotion
+            k_grouped_uniform(a, sa, b, offs, torch.float32)
         torch.cuda.synchronize()
         return
     for proj, N, K in (("up", 2 * F, DIM), ("down", DIM, F)):
