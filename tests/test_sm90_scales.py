@@ -38,10 +38,6 @@ def check_all(device: str) -> None:
     same(S.sm90_scale_layout(s[:, ::4]), S.sm90_scale_layout_reference(s[:, ::4]), "strided rows [:, ::4]")
     w = _bytes((3, 96, 16), gen, device)
     same(S.sm90_scale_layout(w[:, ::32, ::4]), S.sm90_scale_layout_reference(w[:, ::32, ::4]), "weight tiles")
-    for shape in [(300, 20), (128, 4), (1, 8), (256, 36)]:  # the K-grouped mx128 column scales
-        s = _bytes(shape, gen, device)
-        for view, name in ((s, "rows"), (s[:, ::4], "rows [:, ::4]")):
-            same(S.sm90_column_scales(view), S.sm90_column_scales_reference(view), f"column scales {shape} {name}")
     for counts, extra in [([100, 0, 333, 27, 0], 5), ([0, 130, 70], 0), ([3, 1, 0, 200] * 9, 7), ([0], 4), ([9], 0)]:
         M = sum(counts) + extra
         s = _bytes((M, 20), gen, device)
@@ -73,20 +69,6 @@ def test_reference_special_bytes():
     v = S.sm90_scale_layout_reference(b)[0]  # [1, 4]: the four values, transposed
     assert v[0].item() == 2.0 ** -127 and v[1].item() == 2.0 ** -126 and v[2].item() == 1.0
     assert torch.isnan(v[3]) and v.view(torch.int32)[3].item() == 0x7FC00000
-
-
-def test_column_scale_order():
-    pos = S.column_scale_order()
-    assert sorted(pos.tolist()) == list(range(128))
-    for g in range(4):  # the accumulator quad g's columns 8i + 2g + b, i = 2c + r: 4 contiguous per c
-        for c in range(8):
-            got = sorted(int(pos[8 * (2 * c + r) + 2 * g + b]) for r in range(2) for b in range(2))
-            assert got == list(range(got[0], got[0] + 4)) and got[0] % 4 == 0
-    b = torch.tensor([[0], [255], [127]] + [[1]] * 125, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    v = S.sm90_column_scales_reference(b)[0]
-    assert v[pos[0]].item() == 2.0 ** -127 and torch.isnan(v[pos[1]]) and v[pos[2]].item() == 1.0
-    with pytest.raises(ValueError, match="2-D"):
-        S.sm90_column_scales(b.view(1, 128, 1))
 
 
 def test_bad_dtypes():

@@ -75,7 +75,7 @@ import functools
 import torch
 
 from mxmoe.backend import capability
-from mxmoe.kernels.sm90_scales import sm90_column_scales, sm90_m_grouped_scales, sm90_scale_layout
+from mxmoe.kernels.sm90_scales import sm90_m_grouped_scales, sm90_scale_layout
 from mxmoe.kernels.sm90_tile_config import (SMEM_PER_CTA, Sm90TileConfig, check_tile_config, sm90_mx128_tile_config,
                                              sm90_tile_config, smem_bytes)
 
@@ -232,34 +232,18 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_scales(sa_rows, sb_rows, row, ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
-                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr, PERM: gl.constexpr = False):
+                     WB32: gl.constexpr, mma_layout: gl.constexpr, l3: gl.constexpr):
         """One MX step's scales from smem (row ``row`` of the rings), in the layouts _promote needs.
 
-        l3 is the register layout of the [BMW, BN/32, 32] view of an MMA tile (32x32 weights). PERM: the
-        per-column scales are stored in :func:`~mxmoe.kernels.sm90_scales.column_scale_order` (the mx128
-        K-grouped mode), read four per thread per load."""
+        l3 is the register layout of the [BMW, BN/32, 32] view of an MMA tile (32x32 weights)."""
         if WB32:
             l2: gl.constexpr = gl.SliceLayout(2, l3)
             sa = sa_rows.index(row).slice(ROW0, BMW).load(gl.SliceLayout(1, l2))
             sb = sb_rows.index(row).slice(0, BN // 32).load(gl.SliceLayout(0, l2))
         else:
             sa = sa_rows.index(row).slice(ROW0, BMW).load(gl.SliceLayout(1, mma_layout))
-            if PERM:
-                # Stored position q = 4 (g + 4c) + 2r + b holds column n = 8 (2c + r) + 2g + b (g = lane % 4).
-                q = sb_rows.index(row).load(_column_quads_layout(BN))
-                v = gl.reshape(gl.permute(gl.reshape(q, [BN // 16, 4, 2, 2]), (0, 2, 1, 3)), [BN])
-                sb = gl.convert_layout(v, gl.SliceLayout(0, mma_layout), assert_trivial=True)
-            else:
-                sb = sb_rows.index(row).load(gl.SliceLayout(0, mma_layout))
+            sb = sb_rows.index(row).load(gl.SliceLayout(0, mma_layout))
         return sa, sb
-
-    @gluon.constexpr_function
-    def _column_quads_layout(BN):
-        """Register layout of one stage's BN column scales in column_scale_order: the 2r + b of a stored
-        position and its c in registers, g = lane % 4, the other lanes and the warps broadcast."""
-        reg = [[1], [2]] + [[16 << j] for j in range((BN // 16).bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[4], [8], [0], [0], [0]],
-                                          warp_bases=[[0], [0]], block_bases=[], shape=[BN])
 
     @gluon.jit
     def _promote(acc, p, sa, sb, BMW: gl.constexpr, BN: gl.constexpr, WB32: gl.constexpr):
@@ -305,7 +289,7 @@ if HAS_GLUON:
         fit in registers across the wait beside three FP32 tiles: ptxas spilled)."""
         p = warpgroup_mma_wait(num_outstanding=N_OUT, deps=(p, ))
         if not EARLY:
-            sa, sb = _load_scales(sa_rows, sb_rows, idx, ROW0, BMW, BN, WB32, mma_layout, l3, True)
+            sa, sb = _load_scales(sa_rows, sb_rows, idx, ROW0, BMW, BN, WB32, mma_layout, l3)
         _release(empty, idx)
         acc = _promote(acc, p, sa, sb, BMW, BN, WB32)
         return p, acc
@@ -330,7 +314,7 @@ if HAS_GLUON:
             i_j = (it + j) % STAGES
             mbarrier.wait(ready.index(i_j), ((it + j) // STAGES) & 1)
             if WB32:
-                sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3, True)
+                sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
             else:
                 sa, sb = acc, acc  # placeholders: _retire128 reads the scales after its wait
             if j % 2 == 1:
@@ -342,7 +326,7 @@ if HAS_GLUON:
                 p_b, acc = _retire128(p_b, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 1, WB32, ROW0, BMW, BN, WB32,
                                       mma_layout, l3)
             i_prev = i_j
-        sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3, True)
+        sa, sb = _load_scales(sa_rows, sb_rows, i_prev, ROW0, BMW, BN, WB32, mma_layout, l3)
         if (U - 1) % 2 == 0:
             p_a, acc = _retire128(p_a, acc, sa, sb, sa_rows, sb_rows, empty, i_prev, 0, True, ROW0, BMW, BN, WB32,
                                   mma_layout, l3)
@@ -858,13 +842,10 @@ def sm90_mx128_scale_layouts(a_scale: torch.Tensor, b_scale: torch.Tensor, offs:
     aligned).
 
     K-grouped (``offs`` None): ``a_scale`` ``[N, T/32]``, ``b_scale`` ``[K, T/32]`` (128x1 along
-    tokens) -> ``(sa [ceil(T/128), N_pad], None, sb [ceil(T/128), K_pad])``: ``sa`` as
-    :func:`sm90_scale_layout`, ``sb`` (the output columns' scales) as
-    :func:`~mxmoe.kernels.sm90_scales.sm90_column_scales` (``K_pad`` a multiple of 128, each 128-column group
-    in ``column_scale_order``).
+    tokens) -> ``(sa [ceil(T/128), N_pad], None, sb [ceil(T/128), K_pad])`` as :func:`sm90_scale_layout`.
     """
     if offs is None:
-        return sm90_scale_layout(a_scale[:, ::_SG]), None, sm90_column_scales(b_scale[:, ::_SG])
+        return sm90_scale_layout(a_scale[:, ::_SG]), None, sm90_scale_layout(b_scale[:, ::_SG])
     sa, sched = sm90_m_grouped_scales(a_scale[:, ::_SG], offs, GROUP, 1)
     return sa, sched[1], _mx128_weight_scales(b_scale)
 

@@ -31,11 +31,9 @@ try:  # Triton is optional: `import mxmoe` must work without it.
 except Exception:  # pragma: no cover - depends on the installed triton
     HAS_TRITON = False
 
-__all__ = ["sm90_scale_layout", "sm90_scale_layout_reference", "sm90_grouped_scale_layout", "sm90_m_grouped_scales",
-           "sm90_column_scales", "sm90_column_scales_reference", "column_scale_order"]
+__all__ = ["sm90_scale_layout", "sm90_scale_layout_reference", "sm90_grouped_scale_layout", "sm90_m_grouped_scales"]
 
 ALIGN = 4  # columns: a group's first scale starts 16 bytes into an FP32 row
-COLUMN_BLOCK = 128  # output columns per tile of the K-grouped mx128 GEMM (sm90_column_scales' groups)
 MAX_GROUPS_ONE_BLOCK = 1024  # sm90_m_grouped_scales keeps every group's offset in registers up to here
 
 
@@ -50,32 +48,6 @@ def sm90_scale_layout_reference(scale: torch.Tensor, col_pad: int = ALIGN) -> to
     r_pad = -(-r // col_pad) * col_pad
     out = torch.zeros(*vals.shape[:-1], r_pad, dtype=torch.float32, device=scale.device)
     out[..., :r] = vals
-    return out
-
-
-def column_scale_order(block: int = COLUMN_BLOCK) -> torch.Tensor:
-    """Where :func:`sm90_column_scales` stores each column of a ``block``-column group: ``pos[n]``.
-
-    A thread of an m64nN wgmma accumulator holds columns ``n = 8i + 2g + b`` (``g`` = lane % 4, ``b`` < 2);
-    with ``i = 2c + r`` (``r`` < 2) column ``n`` goes to ``4 (g + 4c) + 2r + b``: the four values one thread
-    needs per pair of ``i`` are contiguous (one 16-byte shared-memory load instead of two 8-byte ones), and
-    the four lanes of a quad read 64 contiguous bytes (no bank conflict).
-    """
-    n = torch.arange(block)
-    i, g, b = n // 8, (n // 2) % 4, n % 2
-    c, r = i // 2, i % 2
-    return 4 * (g + 4 * c) + 2 * r + b
-
-
-def sm90_column_scales_reference(scale: torch.Tensor) -> torch.Tensor:
-    """Pure-torch :func:`sm90_column_scales` (same arguments, same bytes)."""
-    vals = sm90_scale_layout_reference(scale, COLUMN_BLOCK)  # [C, R_pad], natural order, pad 0
-    pos = column_scale_order().to(scale.device)
-    r_pad = vals.shape[-1]
-    cols = (torch.arange(r_pad, device=scale.device) // COLUMN_BLOCK * COLUMN_BLOCK
-            + pos.repeat(r_pad // COLUMN_BLOCK))
-    out = torch.empty_like(vals)
-    out[:, cols] = vals
     return out
 
 
@@ -131,21 +103,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _transpose_kernel(src, dst, R, C, R_pad, s_b, s_r, s_c,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERMUTE: tl.constexpr):
-        """dst[b, c, r] = value(src[b, r, c]) for r < R, 0 for R <= r < R_pad; PERMUTE: r stored at
-        column_scale_order() inside each 128-column group instead."""
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """dst[b, c, r] = value(src[b, r, c]) for r < R, 0 for R <= r < R_pad."""
         pb = tl.program_id(2).to(tl.int64)
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         inside = (r[:, None] < R) & (c[None, :] < C)
         b = tl.load(src + pb * s_b + r[:, None].to(tl.int64) * s_r + c[None, :] * s_c, mask=inside, other=0)
         v = tl.where(inside, _e8m0_value(b.to(tl.int32)), 0.0)
-        col = r
-        if PERMUTE:
-            n = r % 128
-            i = n // 8
-            col = r - n + 4 * ((n // 2) % 4 + 4 * (i // 2)) + 2 * (i % 2) + n % 2
-        out = dst + pb * C * R_pad + c[None, :].to(tl.int64) * R_pad + col[:, None]
+        out = dst + pb * C * R_pad + c[None, :].to(tl.int64) * R_pad + r[:, None]
         tl.store(out, v, mask=(r[:, None] < R_pad) & (c[None, :] < C))
 
     @triton.jit
@@ -212,39 +178,8 @@ def sm90_scale_layout(scale: torch.Tensor, col_pad: int = ALIGN) -> torch.Tensor
     out = torch.empty(s3.shape[0], C, r_pad, dtype=torch.float32, device=scale.device)
     BR, BC = 64, 32
     grid = (triton.cdiv(r_pad, BR), triton.cdiv(C, BC), s3.shape[0])
-    _transpose_kernel[grid](s3, out, R, C, r_pad, s3.stride(0), s3.stride(1), s3.stride(2), BLOCK_R=BR, BLOCK_C=BC,
-                            PERMUTE=False)
+    _transpose_kernel[grid](s3, out, R, C, r_pad, s3.stride(0), s3.stride(1), s3.stride(2), BLOCK_R=BR, BLOCK_C=BC)
     return out.view(*lead, C, r_pad)
-
-
-def sm90_column_scales(scale: torch.Tensor) -> torch.Tensor:
-    """Per-column scales of a K-grouped mx128 product (the operand along the output's columns) -> FP32
-    ``2^(b-127)``, transposed, each 128-column group in :func:`column_scale_order`.
-
-    ``scale`` ``[R, C]`` E8M0 (any strides; R = output columns, C = 128-token groups) -> ``[C, R_pad]``
-    float32, ``R_pad`` = R rounded up to 128, pad columns 0; values as :func:`sm90_scale_layout`. The wgrad
-    consumer reads each thread's 32 column scales of a stage with 8 16-byte loads instead of 16 8-byte ones:
-    its time is the number of instructions its warps issue (benchmarks/NOTES_grouped_gemm.md, session 17).
-    One Triton launch on CUDA; :func:`sm90_column_scales_reference` elsewhere.
-
-    Raises:
-        TypeError: ``scale`` not ``float8_e8m0fnu``. ValueError: not 2-D.
-    """
-    if scale.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"scale must be torch.float8_e8m0fnu, got {scale.dtype}")
-    if scale.dim() != 2:
-        raise ValueError(f"scale must be 2-D [columns, groups], got shape {tuple(scale.shape)}")
-    if not _fast(scale) or scale.numel() == 0:
-        return sm90_column_scales_reference(scale)
-    R, C = scale.shape
-    u8 = scale.view(torch.uint8)
-    r_pad = -(-R // COLUMN_BLOCK) * COLUMN_BLOCK
-    out = torch.empty(C, r_pad, dtype=torch.float32, device=scale.device)
-    BR, BC = 64, 32
-    grid = (triton.cdiv(r_pad, BR), triton.cdiv(C, BC), 1)
-    _transpose_kernel[grid](u8, out, R, C, r_pad, 0, u8.stride(0), u8.stride(1), BLOCK_R=BR, BLOCK_C=BC,
-                            PERMUTE=True)
-    return out
 
 
 def sm90_m_grouped_scales(scale: torch.Tensor, offs: torch.Tensor, block_m: int, n_tiles: int):
