@@ -118,25 +118,24 @@ def main():
                      ("wgrad bf16 out, uniform promotion", lambda: k_grouped_uniform(a, sa, b, offs, torch.bfloat16)),
                      ("wgrad fp32 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32,
                                                                              check_offsets=False))]
-            x, sx, w = rand_fp8(T, K), scale_1x128(T, K), rand_fp8(E, N, K)
-            sw, _ = scale_128x128(E, N, K)
-            cases.append(("fprop bf16 out", lambda: G.sm90_mx128_m_grouped_gemm(x, sx, w, sw, offs)))
-            cases.append(("fprop fp32 out", lambda: G.sm90_mx128_m_grouped_gemm(x, sx, w, sw, offs, torch.float32)))
         else:
             cases = [("wgrad fp32 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.float32,
                                                                              check_offsets=False)),
                      ("wgrad bf16 out", lambda: G.sm90_mx128_k_grouped_gemm(a, sa, b, sb, offs, torch.bfloat16,
                                                                              check_offsets=False))]
-        if args.mode == "full":  # wgrad at other tile configurations; M-grouped fprop of the same size
+        if args.mode == "full":  # wgrad at other tile configurations
             for cfg in (dict(chain=2), dict(chain=8), dict(group_m=4), dict(group_m=16), dict(group_m=1),
                         dict(stages=3)):
                 c = Sm90TileConfig(**cfg)
                 cases.append((f"wgrad fp32 out {cfg}", lambda c=c: G.sm90_mx128_k_grouped_gemm(
                     a, sa, b, sb, offs, torch.float32, check_offsets=False, config=c)))
-            x, sx = rand_fp8(T, K), scale_1x128(T, K)
-            w = rand_fp8(E, N, K)
+        if args.mode in ("full", "uniform"):  # the M-grouped fprop of the same size, for reference
+            x, sx, w = rand_fp8(T, K), scale_1x128(T, K), rand_fp8(E, N, K)
             sw, _ = scale_128x128(E, N, K)
             cases.append(("fprop bf16 out", lambda: G.sm90_mx128_m_grouped_gemm(x, sx, w, sw, offs)))
+            if args.mode == "uniform":
+                cases.append(("fprop fp32 out", lambda: G.sm90_mx128_m_grouped_gemm(x, sx, w, sw, offs,
+                                                                                     torch.float32)))
         for name, fn in cases:
             fn()
             torch.cuda.synchronize()

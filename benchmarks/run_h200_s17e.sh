@@ -12,19 +12,5 @@ step 300 ncu -k regex:sm90_mxfp8_grouped_gemm_kernel --launch-count 3 --section 
 ncu --import "$R/wgrad_uniform_fprop.ncu-rep" --csv --page details > "$R/wgrad_uniform_fprop_ncu.csv" 2>>"$LOG"
 ncu --import "$R/wgrad_uniform_fprop.ncu-rep" --csv --page raw > "$R/wgrad_uniform_fprop_ncu_raw.csv" 2>>"$LOG"
 grep -E "===|Error|ERR" "$LOG" | tail -c 3000
-python3 - "$R/wgrad_uniform_fprop_ncu.csv" "$R/wgrad_uniform_fprop_ncu_raw.csv" <<'PY'
-import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
-keep = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "Issue Slots Busy", "Issued Warp Per Scheduler",
-        "No Eligible", "Stall", "Warp Cycles Per Issued Instruction", "L2 Hit Rate", "DRAM Throughput", "Executed Ipc", "Pipe")
-for r in rows:
-    if any(k in r.get("Metric Name", "") for k in keep):
-        print(r.get("ID"), r.get("Section Name", "")[:22], r["Metric Name"][:48], r.get("Metric Value"), r.get("Metric Unit"))
-raw = list(csv.reader(open(sys.argv[2])))
-head = raw[0]
-for row in raw[2:]:
-    vals = ((v.replace(",", ""), h) for h, v in zip(head, row) if "issue_stalled" in h)
-    stalls = sorted(((float(v), h) for v, h in vals if v.replace(".", "", 1).isdigit()), reverse=True)
-    print("kernel", row[head.index("ID")] if "ID" in head else "?", [(h.split("stalled_")[1].split("_per")[0], v) for v, h in stalls[:8]])
-PY
+python3 benchmarks/ncu_summary.py "$R/wgrad_uniform_fprop_ncu.csv" "$R/wgrad_uniform_fprop_ncu_raw.csv" --also Pipe
 tar czf "$D/s17e.tgz" -C "$R" .
