@@ -15,6 +15,7 @@ Launch:
     mxmoe train --preset gpu --device cuda --recipes bf16 --seed 0     # convergence: 171M parameters, 2000 steps
     mxmoe train --preset gpu-throughput --device cuda --recipes bf16,mxfp8,mxfp8_128   # tokens/s and MFU
     python -m mxmoe train --steps 500 --lr 2e-3 --recipes bf16,mxfp8
+    mxmoe train --batch-size 8 --grad-accum 4      # 32 windows per optimizer step, 8 per forward/backward
 
 On CUDA the steps run compiled and replayed from CUDA graphs by default (``--compile auto``:
 ``inductor-cudagraphs``, torch.compile's inductor with ``mode="reduce-overhead"``, which fuses torch's
@@ -103,7 +104,8 @@ class TrainConfig:
     data_cache: str = "~/.cache/mxmoe"  # folder caching the python-all corpus (keyed by its file list); empty: none
     val_every_file: int = 20  # ~every N-th file is validation (stdlib/folder: N-th sorted; python-all: by content hash)
     seq_len: int = 128  # tokens (bytes) per training window = context length
-    batch_size: int = 16  # windows per optimizer step (per rank under torchrun)
+    batch_size: int = 16  # windows per micro-batch, one forward and backward (per rank under torchrun)
+    grad_accum: int = 1  # micro-batches per optimizer step, gradients summed (tokens per step: batch_size * seq_len * grad_accum)
     # model
     dim: int = 128  # residual stream width (a multiple of the recipe's scale groups: 32 for MX, 128 for mxfp8_128)
     layers: int = 2  # transformer blocks, each attention + MoE
@@ -125,7 +127,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("dim", "heads", "ffn_dim", "experts", "layers", "steps", "eval_every", "eval_batches",
-                     "batch_size", "seq_len"):
+                     "batch_size", "grad_accum", "seq_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -262,6 +264,11 @@ class RunInputError(ValueError):
 
 
 # ----------------------------------------------------------------------------- data
+
+def tokens_per_step(cfg: "TrainConfig") -> int:
+    """Training tokens one rank reads per optimizer step: ``batch_size * seq_len * grad_accum``."""
+    return cfg.batch_size * cfg.seq_len * cfg.grad_accum
+
 
 def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,6 +452,26 @@ def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.d
     return mean_over_ranks(torch.stack(losses).mean(), ep).item()
 
 
+def forward_backward(step_fn, batches, n: int, backend: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step's gradients: ``step_fn(x, y) -> (ce, aux)`` and backward on each of the ``n``
+    micro-batches ``(x, y)`` of ``batches``, gradients accumulated into ``.grad`` as the mean over the
+    micro-batches (``n`` = 1: the plain loss). Returns the micro-batches' mean ``ce`` and ``aux``
+    (scalar tensors, not graph outputs: safe after the next CUDA-graph replay)."""
+    ce_sum = aux_sum = None
+    for x, y in batches:
+        if backend in GRAPH_BACKENDS:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous micro-batch's graph outputs are dead
+        with _autocast(device):
+            ce, aux = step_fn(x, y)
+        loss = ce + aux
+        (loss if n == 1 else loss / n).backward()
+        if ce_sum is None:  # clone: see evaluate
+            ce_sum, aux_sum = ce.detach().clone(), aux.detach().clone()
+        else:
+            ce_sum, aux_sum = ce_sum + ce.detach(), aux_sum + aux.detach()
+    return (ce_sum, aux_sum) if n == 1 else (ce_sum / n, aux_sum / n)
+
+
 def _warm_up_process(device: torch.device) -> None:
     """Pay a process's one-off costs that would otherwise land in the first recipe's ``wall_s``: the
     import of ``torch._dynamo`` (seconds; the first optimizer or torch.compile triggers it) and, on CUDA,
@@ -539,17 +566,13 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device)  # [B, T] each
-        if backend in GRAPH_BACKENDS:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are dead
-        with _autocast(device):
-            ce, aux = step_fn(x, y)
-        (ce + aux).backward()
+        batches = (get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device) for _ in range(cfg.grad_accum))
+        ce, aux = forward_backward(step_fn, batches, cfg.grad_accum, backend, device)
         clip_gradients(model, params, cfg.grad_clip, ep)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ce_hist.append(ce.detach().clone())  # clone: see evaluate
-        aux_hist.append(aux.detach().clone())
+        ce_hist.append(ce)
+        aux_hist.append(aux)
         bar.update()
         done = step + 1
         if done == skip:
@@ -576,7 +599,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     timed = [(b - a, sec) for a, b, sec in segments if a >= skip] or [(1, float("nan"))]
     n_timed, sec_timed = sum(n for n, _ in timed), sum(sec for _, sec in timed)
     m["ms_per_step"] = 1e3 * sec_timed / n_timed
-    m["tokens_per_s"] = ep.size * cfg.batch_size * cfg.seq_len * n_timed / sec_timed  # all ranks
+    m["tokens_per_s"] = ep.size * tokens_per_step(cfg) * n_timed / sec_timed  # all ranks
     m["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     m["wall_s"] = wall_before + time.perf_counter() - t_start
     m["compile"] = backend
@@ -800,6 +823,9 @@ SEED_SPREAD: dict[str, dict] = {
 _SPREAD_FREE = ("out", "device", "recipes", "seed", "compile", "eval_every", "data", "data_cache",
                 "checkpoint_every", "resume")
 
+# fields added after runs were stored, with the value those runs ran with
+_ADDED_LATER = {"grad_accum": 1}
+
 
 def _data_source(cfg: dict) -> str:
     """``stdlib``, ``python-all`` or the folder a run of config dict ``cfg`` reads (:func:`resolve_source`)."""
@@ -823,7 +849,7 @@ def seed_spread(cfg: dict) -> dict | None:
         if source == "stdlib" and not platform.python_version().startswith(spread["python"] + "."):
             continue  # this Python's stdlib is other data
         want = dataclasses.asdict(make_config(preset))
-        if all(cfg.get(k) == v for k, v in want.items() if k not in _SPREAD_FREE):
+        if all(cfg.get(k, _ADDED_LATER.get(k)) == v for k, v in want.items() if k not in _SPREAD_FREE):
             runs = spread["runs"]  # {seed: {recipe: [val losses at val_step]}}
             finals = {seed: r["bf16"][-1] for seed, r in runs.items()}
             gaps = {rec: [r[rec][-1] - r["bf16"][-1] for r in runs.values()]
@@ -957,12 +983,14 @@ def summarize(metrics: dict) -> str:
 def throughput_rows(metrics: dict) -> list[dict]:
     """Rows of ``train_gpu_throughput.json``, one per recipe of a run's ``metrics``: ``recipe``,
     ``tokens_per_s`` (training steps, warm-up excluded), ``mfu`` (see the module docstring; None off
-    CUDA), ``ms_per_step``, ``peak_mem_gib`` (None off CUDA) and ``vs_bf16`` (tokens/s over bf16's; None
-    without a bf16 run)."""
-    recs = metrics["recipes"]
+    CUDA), ``ms_per_step`` (one optimizer step), ``tokens_per_step`` (all ranks), ``peak_mem_gib`` (None off
+    CUDA) and ``vs_bf16`` (tokens/s over bf16's; None without a bf16 run)."""
+    recs, cfg = metrics["recipes"], metrics["config"]
     ref = recs.get("bf16", {}).get("tokens_per_s")
+    per_step = cfg["batch_size"] * cfg["seq_len"] * cfg.get("grad_accum", 1) * metrics["env"].get("world_size", 1)
     return [{"recipe": r, "tokens_per_s": m["tokens_per_s"], "mfu": m.get("mfu"), "ms_per_step": m["ms_per_step"],
-             "peak_mem_gib": m["peak_mem_gib"], "vs_bf16": m["tokens_per_s"] / ref if ref else None}
+             "tokens_per_step": per_step, "peak_mem_gib": m["peak_mem_gib"],
+             "vs_bf16": m["tokens_per_s"] / ref if ref else None}
             for r, m in recs.items()]
 
 
@@ -996,7 +1024,8 @@ def compare_runs(runs: list[dict]) -> dict:
 
     def settings(metrics: dict) -> dict:
         backends = {m.get("compile") for m in metrics["recipes"].values()}
-        return {**{k: v for k, v in metrics["config"].items() if k not in free}, "compile": sorted(map(str, backends))}
+        config = {**_ADDED_LATER, **metrics["config"]}
+        return {**{k: v for k, v in config.items() if k not in free}, "compile": sorted(map(str, backends))}
 
     first = settings(runs[0])
     by: dict[str, dict[int, dict]] = {}
@@ -1148,7 +1177,7 @@ def run(cfg: TrainConfig) -> dict:
     init_state = {k: v.detach().clone() for k, v in init_model.state_dict().items()}
     params = count_params(init_model, cfg)
     del init_model
-    tokens = cfg.steps * cfg.batch_size * cfg.seq_len * ep.size
+    tokens = cfg.steps * tokens_per_step(cfg) * ep.size
     data = {**corpus.info(), "tokens_per_recipe": tokens, "epochs_per_recipe": tokens / len(train_data)}
     backend = compile_backend(cfg, device, ep.size)
     if main_rank:

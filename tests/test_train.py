@@ -149,6 +149,38 @@ def test_compile_trains_the_same_model(tmp_path):
     assert out[""]["train_loss"][0] != out[""]["train_loss"][-1]  # it trained
 
 
+def test_grad_accum_trains_like_one_big_batch(tmp_path):
+    """--grad-accum 2 of 4 windows reads the same 8 windows per step as --batch-size 8 (one seeded
+    stream) and steps on the mean of the two micro-batches' gradients: with the load-balancing loss off
+    (its batch statistics are per micro-batch) the fp32 run matches the big batch up to summation order;
+    tokens/s and the throughput rows count every micro-batch."""
+    from safetensors.torch import load_file
+
+    from mxmoe.train import throughput_rows
+
+    steps, out = 4, {}
+    for name, flags in (("big", ["--batch-size", "8"]), ("accum", ["--batch-size", "4", "--grad-accum", "2"])):
+        d = tmp_path / name
+        assert main(["train", "--preset", "tiny", "--steps", str(steps), "--eval-every", str(steps),
+                     "--recipes", "fp32", "--aux-loss-coef", "0", "--device", "cpu", "--out", str(d), *flags]) == 0
+        out[name] = json.loads((d / "metrics.json").read_text())
+    big, accum = out["big"]["recipes"]["fp32"], out["accum"]["recipes"]["fp32"]
+    assert accum["train_loss"] == pytest.approx(big["train_loss"], rel=1e-5)
+    a, b = (load_file(tmp_path / n / "model_fp32.safetensors") for n in ("accum", "big"))
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=2e-5) for k in b)  # validation: other batches (of 4)
+    assert accum["train_loss"][-1] != big["train_loss"][0]  # it trained
+    assert out["accum"]["data"]["tokens_per_recipe"] == out["big"]["data"]["tokens_per_recipe"] == steps * 8 * 64
+    assert throughput_rows(out["accum"])[0]["tokens_per_step"] == 8 * 64
+    # the micro-batch size is what the step's layers see: a lone batch of 4 trains to other numbers
+    d = tmp_path / "small"
+    assert main(["train", "--preset", "tiny", "--steps", str(steps), "--eval-every", str(steps), "--recipes", "fp32",
+                 "--aux-loss-coef", "0", "--device", "cpu", "--out", str(d), "--batch-size", "4"]) == 0
+    small = json.loads((d / "metrics.json").read_text())["recipes"]["fp32"]
+    assert small["train_loss"][1:] != pytest.approx(big["train_loss"][1:], rel=1e-3)
+    with pytest.raises(ValueError, match="grad_accum must be a positive int"):
+        make_config("tiny", grad_accum=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", ["cudagraphs", "inductor-cudagraphs"])
 def test_gpu_cudagraphs_trains_like_eager(tmp_path, graphs):
@@ -172,6 +204,35 @@ def test_gpu_cudagraphs_trains_like_eager(tmp_path, graphs):
     assert abs(replayed[0] - eager[0]) <= tol * abs(eager[0]), (replayed[0], eager[0])
     assert abs(replayed[-1] - eager[-1]) <= 0.02 * abs(eager[-1]), (replayed[-1], eager[-1])
     assert replayed[-1] < replayed[0]  # it trained
+
+
+@pytest.mark.gpu
+def test_gpu_grad_accum_under_cuda_graphs():
+    """Micro-batches replayed from CUDA graphs accumulate the gradients eager accumulates: a replay's
+    gradient outputs live in the graphs' memory pool, so a later micro-batch must not overwrite the
+    ``.grad`` kept from an earlier one (that would give 2 g1 + ... instead of g0 + g1 + ...). Checked on
+    the third step too, after the graphs were recorded; inductor rounds its fusions differently, so
+    per-tensor relative error <= 3e-2 (the overwrite is an O(1) error)."""
+    from mxmoe.train import compiled, forward_backward, get_batch
+
+    cfg, dev = make_config("tiny"), torch.device("cuda")
+    torch.manual_seed(0)
+    eager = MoELM(cfg, "mxfp8").to(dev)
+    graphed_model = MoELM(cfg, "mxfp8").to(dev)
+    graphed_model.load_state_dict(eager.state_dict())
+    graphed = compiled(graphed_model, "inductor-cudagraphs")
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (1 << 16,), generator=gen, dtype=torch.uint8)
+    for step in range(3):
+        batches = [get_batch(data, cfg.batch_size, cfg.seq_len, gen, dev) for _ in range(3)]
+        got = forward_backward(graphed, iter(batches), 3, "inductor-cudagraphs", dev)
+        want = forward_backward(eager, iter(batches), 3, "", dev)
+        assert torch.allclose(got[0], want[0], rtol=1e-3), (step, got, want)
+        for (name, p), q in zip(eager.named_parameters(), graphed_model.parameters()):
+            err = ((q.grad - p.grad).norm() / p.grad.norm()).item()
+            assert err <= 3e-2, (step, name, err)
+        for m in (eager, graphed_model):
+            m.zero_grad(set_to_none=True)
 
 
 def test_config_checks(monkeypatch):
