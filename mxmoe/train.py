@@ -452,19 +452,26 @@ def evaluate(model: MoELM, data: torch.Tensor, cfg: TrainConfig, device: torch.d
     return mean_over_ranks(torch.stack(losses).mean(), ep).item()
 
 
-def forward_backward(step_fn, batches, n: int, backend: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_backward(step_fn, batches, n: int, backend: str, device: torch.device,
+                     params: list[nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step's gradients: ``step_fn(x, y) -> (ce, aux)`` and backward on each of the ``n``
-    micro-batches ``(x, y)`` of ``batches``, gradients accumulated into ``.grad`` as the mean over the
-    micro-batches (``n`` = 1: the plain loss). Returns the micro-batches' mean ``ce`` and ``aux``
-    (scalar tensors, not graph outputs: safe after the next CUDA-graph replay)."""
+    micro-batches ``(x, y)`` of ``batches``, gradients accumulated into the ``.grad`` of ``params`` as the
+    mean over the micro-batches (``n`` = 1: the plain loss). Returns the micro-batches' mean ``ce`` and
+    ``aux`` (scalar tensors, not graph outputs: safe after the next CUDA-graph replay)."""
     ce_sum = aux_sum = None
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         if backend in GRAPH_BACKENDS:
             torch.compiler.cudagraph_mark_step_begin()  # the previous micro-batch's graph outputs are dead
         with _autocast(device):
             ce, aux = step_fn(x, y)
         loss = ce + aux
         (loss if n == 1 else loss / n).backward()
+        if i == 0 and n > 1 and backend in GRAPH_BACKENDS:
+            # the first backward's gradients are outputs of its CUDA graph, in the graphs' memory pool, which
+            # the next replay overwrites: copy them out once; later micro-batches add into the copies in place
+            for p in params:
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
         if ce_sum is None:  # clone: see evaluate
             ce_sum, aux_sum = ce.detach().clone(), aux.detach().clone()
         else:
@@ -567,7 +574,7 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         batches = (get_batch(train_data, cfg.batch_size, cfg.seq_len, gen, device) for _ in range(cfg.grad_accum))
-        ce, aux = forward_backward(step_fn, batches, cfg.grad_accum, backend, device)
+        ce, aux = forward_backward(step_fn, batches, cfg.grad_accum, backend, device, params)
         clip_gradients(model, params, cfg.grad_clip, ep)
         opt.step()
         opt.zero_grad(set_to_none=True)

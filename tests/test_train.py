@@ -225,8 +225,8 @@ def test_gpu_grad_accum_under_cuda_graphs():
     data = torch.randint(0, 256, (1 << 16,), generator=gen, dtype=torch.uint8)
     for step in range(3):
         batches = [get_batch(data, cfg.batch_size, cfg.seq_len, gen, dev) for _ in range(3)]
-        got = forward_backward(graphed, iter(batches), 3, "inductor-cudagraphs", dev)
-        want = forward_backward(eager, iter(batches), 3, "", dev)
+        got = forward_backward(graphed, iter(batches), 3, "inductor-cudagraphs", dev, list(graphed_model.parameters()))
+        want = forward_backward(eager, iter(batches), 3, "", dev, list(eager.parameters()))
         assert torch.allclose(got[0], want[0], rtol=1e-3), (step, got, want)
         for (name, p), q in zip(eager.named_parameters(), graphed_model.parameters()):
             err = ((q.grad - p.grad).norm() / p.grad.norm()).item()
