@@ -10,7 +10,7 @@ hash of its content says so (``--data python-all``; hundreds of MB, cached under
 The log says how many files and bytes the run uses and how many epochs of the train split it consumes.
 Launch:
 
-    mxmoe train                                    # default preset: 2-3 minutes on 2 CPU cores
+    mxmoe train                                    # default preset: 2.5-4.5 minutes on 2 CPU cores
     mxmoe train --preset tiny --out /tmp/tiny      # seconds; what the tests run
     mxmoe train --preset gpu --device cuda --recipes bf16 --seed 0     # convergence: 171M parameters, 2000 steps
     mxmoe train --preset gpu-throughput --device cuda --recipes bf16,mxfp8,mxfp8_128   # tokens/s and MFU
@@ -94,9 +94,9 @@ class TrainConfig:
     device: str = ""  # "cuda" or "cpu"; empty = cuda if available, else cpu
     recipes: str = "bf16,mxfp8"  # comma-separated MoE recipes, trained one after the other
     seed: int = 0  # one seed -> one init and one batch order, shared by every recipe
-    # torch.compile backend; not under torchrun (expert parallelism)
-    compile: str = "auto"  # auto: inductor-cudagraphs on CUDA in one process, else eager; ""/none: eager; or
-    # inductor, inductor-cudagraphs (inductor's fused kernels replayed from CUDA graphs), cudagraphs, aot_eager, eager
+    # torch.compile backend, not under torchrun (expert parallelism); inductor-cudagraphs: inductor's fused
+    # kernels replayed from CUDA graphs
+    compile: str = "auto"  # auto (inductor-cudagraphs on CUDA in one process, else eager), "" or none (eager), inductor, inductor-cudagraphs, cudagraphs, aot_eager, eager
     checkpoint_every: int = 0  # steps between checkpoints (<out>/checkpoint_<recipe>.pt); 0: none (one process only)
     resume: str = ""  # continue the killed run in this folder, with its own settings (give no other flags)
     # data (mxmoe.corpus)
@@ -105,7 +105,7 @@ class TrainConfig:
     val_every_file: int = 20  # ~every N-th file is validation (stdlib/folder: N-th sorted; python-all: by content hash)
     seq_len: int = 128  # tokens (bytes) per training window = context length
     batch_size: int = 16  # windows per micro-batch, one forward and backward (per rank under torchrun)
-    grad_accum: int = 1  # micro-batches per optimizer step, gradients summed (tokens per step: batch_size * seq_len * grad_accum)
+    grad_accum: int = 1  # micro-batches per optimizer step, gradient their mean (tokens per step: batch_size * seq_len * grad_accum)
     # model
     dim: int = 128  # residual stream width (a multiple of the recipe's scale groups: 32 for MX, 128 for mxfp8_128)
     layers: int = 2  # transformer blocks, each attention + MoE
@@ -154,11 +154,14 @@ class TrainConfig:
                              "under torchrun (expert parallelism)")
         for name in names:
             get_recipe(name).check_dims(self.dim, self.ffn_dim)  # unknown names and bad dims fail before training
-        if not (0 < self.lr < math.inf and 0 <= self.min_lr_frac <= 1 and 0 <= self.weight_decay < math.inf
-                and self.grad_clip > 0 and 0 <= self.aux_loss_coef < math.inf):  # NaN fails every comparison
-            raise ValueError(f"need a finite lr > 0 (got {self.lr}), 0 <= min_lr_frac <= 1 ({self.min_lr_frac}), "
-                             f"a finite weight_decay >= 0 ({self.weight_decay}), grad_clip > 0 ({self.grad_clip}), "
-                             f"a finite aux_loss_coef >= 0 ({self.aux_loss_coef})")
+        bounds = {"lr": (0 < self.lr < math.inf, "a finite value > 0"),  # NaN fails every comparison
+                  "min_lr_frac": (0 <= self.min_lr_frac <= 1, "in [0, 1]"),
+                  "weight_decay": (0 <= self.weight_decay < math.inf, "a finite value >= 0"),
+                  "grad_clip": (self.grad_clip > 0, "> 0"),
+                  "aux_loss_coef": (0 <= self.aux_loss_coef < math.inf, "a finite value >= 0")}
+        bad = [f"{name} must be {want}, got {getattr(self, name)}" for name, (ok, want) in bounds.items() if not ok]
+        if bad:
+            raise ValueError("; ".join(bad))
         if not 0 <= self.warmup <= self.steps:
             raise ValueError(f"warmup must be in [0, steps={self.steps}] (linear warmup steps, then cosine decay), "
                              f"got {self.warmup}")
@@ -375,15 +378,15 @@ def init_expert_parallel(cfg: TrainConfig, device: torch.device) -> tuple[Expert
     """Join the process group when launched by torchrun with WORLD_SIZE > 1 (gloo for a CPU run,
     NCCL for CUDA, where the device becomes ``cuda:LOCAL_RANK``); else ``(SINGLE_PROCESS, device)``.
 
-    Raises ValueError (on every rank, before any collective) if ``cfg.experts`` is not divisible
-    by the number of processes.
+    Raises RunInputError (a ValueError; on every rank, before any collective) if ``cfg.experts`` is not
+    divisible by the number of processes.
     """
     group = parallel.maybe_init_distributed("nccl" if device.type == "cuda" else "gloo")
     if group is None:
         return SINGLE_PROCESS, device
     ep = ExpertParallel(group, dist.get_rank(group), dist.get_world_size(group))
     if cfg.experts % ep.size:
-        raise ValueError(f"--experts {cfg.experts} is not divisible by the {ep.size} torchrun processes "
+        raise RunInputError(f"--experts {cfg.experts} is not divisible by the {ep.size} torchrun processes "
                          "(expert parallelism: each rank holds experts / processes of every MoE layer's experts)")
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -753,12 +756,15 @@ def generate(model: MoELM, prompt: bytes, tokens: int, temperature: float = 0.8,
     device and seed. ``temperature == 0`` takes the most likely byte (greedy).
 
     Raises:
-        ValueError: an empty prompt, ``tokens < 0``, ``temperature < 0``, ``top_k < 0``.
+        ValueError: an empty prompt, ``tokens < 0``, a negative or non-finite ``temperature``, ``top_k < 0``.
     """
     if not prompt:
         raise ValueError("the prompt is empty: give at least one byte (e.g. b'\\n')")
-    if tokens < 0 or temperature < 0 or (top_k is not None and top_k < 0):
-        raise ValueError(f"need tokens >= 0 (got {tokens}), temperature >= 0 ({temperature}), top_k >= 0 ({top_k})")
+    bad = ([f"tokens must be >= 0, got {tokens}"] * (tokens < 0)
+           + [f"temperature must be finite and >= 0, got {temperature}"] * (not 0 <= temperature < math.inf)
+           + [f"top_k must be >= 0, got {top_k}"] * (top_k is not None and top_k < 0))
+    if bad:  # NaN and inf temperatures would sample from NaN or uniform probabilities
+        raise ValueError("; ".join(bad))
     was_training = model.training
     model.eval()
     device = model.head.weight.device
@@ -1138,9 +1144,10 @@ def run(cfg: TrainConfig) -> dict:
 
     Under torchrun with more than one process: joins the process group, trains expert-parallel,
     has rank 0 print and write, and destroys the group at the end.
-    With ``cfg.checkpoint_every``: writes ``run_config.json`` first (and removes the recipes' states
-    of an earlier run in ``cfg.out``), then training states (:func:`train_recipe`); a finished recipe's
-    state keeps only its metrics. With ``cfg.resume``:
+    A fresh run (no ``cfg.resume``) first removes an earlier run's training states from ``cfg.out``
+    (``run_config.json``, ``checkpoint_*.pt``), so no later ``--resume`` continues that run over this one's
+    outputs. With ``cfg.checkpoint_every``: writes ``run_config.json``, then training states
+    (:func:`train_recipe`); a finished recipe's state keeps only its metrics. With ``cfg.resume``:
     finished recipes are taken from their states, an unfinished one continues from its state.
     Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
 
@@ -1166,10 +1173,14 @@ def run(cfg: TrainConfig) -> dict:
                                         f"than {out / 'run_config.json'} (differ: {', '.join(differ) or 'unknown'})")
     if main_rank:
         out.mkdir(parents=True, exist_ok=True)
-        if cfg.checkpoint_every and not cfg.resume:
-            _write_json_atomic(out / "run_config.json", config)
-            for recipe in recipes:  # a fresh run: an earlier run's states in this folder are not this run's
-                (out / f"checkpoint_{recipe}.pt").unlink(missing_ok=True)
+        if not cfg.resume:  # a fresh run: an earlier run's states in this folder are not this run's
+            stale = [p for p in [out / "run_config.json", *sorted(out.glob("checkpoint_*.pt"))] if p.is_file()]
+            for p in stale:  # else a later --resume would continue that run and overwrite this one's outputs
+                p.unlink()
+            if stale:
+                print(f"removed an earlier run's training states from {out}: {', '.join(p.name for p in stale)}")
+            if cfg.checkpoint_every:
+                _write_json_atomic(out / "run_config.json", config)
     try:
         corpus = load_corpus(cfg.data, device.type, cfg.val_every_file, cfg.data_cache)
     except ValueError as e:
@@ -1192,9 +1203,10 @@ def run(cfg: TrainConfig) -> dict:
         cached = f", from the cache {corpus.cache}" if corpus.from_cache else (f", cached to {corpus.cache}"
                                                                                if corpus.cache else "")
         dups = f", {corpus.duplicates:,} duplicate files skipped" if corpus.duplicates else ""
+        read = f"{tokens / 1e6:.1f}M" if tokens >= 1e6 else f"{tokens:,}"
         print(f"data: {corpus.source}: {corpus.files['train']:,} train / {corpus.files['val']:,} val files, "
               f"{len(train_data) / 1e6:.1f}M / {len(val_data) / 1e6:.1f}M bytes{dups}{cached}; "
-              f"a recipe's run reads {tokens / 1e6:.1f}M tokens = {data['epochs_per_recipe']:.3g} epochs of the "
+              f"a recipe's run reads {read} tokens = {data['epochs_per_recipe']:.3g} epochs of the "
               f"train split" + (" (more than one pass: the model can memorize it)" if data["epochs_per_recipe"] >= 1
                                 else ""))
         print(f"params: {params['total'] / 1e6:.2f}M total, {params['active_per_token'] / 1e6:.2f}M active "

@@ -111,7 +111,9 @@ def test_torchrun_expert_parallel(run_dir, tmp_path):
 def test_torchrun_experts_not_divisible(tmp_path):
     proc = torchrun_train(tmp_path, "--experts", "3", "--steps", "1")
     assert proc.returncode != 0
-    assert proc.stderr.count("ValueError: --experts 3 is not divisible by the 2 torchrun processes") == 2  # each rank
+    # each rank: a usage error (exit 2), not a traceback
+    assert proc.stderr.count("mxmoe train: error: --experts 3 is not divisible by the 2 torchrun processes") == 2
+    assert "ValueError" not in proc.stderr  # (torchrun's launcher prints its own traceback of the failed ranks)
     assert not (tmp_path / "metrics.json").exists()
 
 
@@ -288,10 +290,10 @@ def test_wall_time_leaves_out_process_one_offs():
     (["--eval-batches", "-2"], "eval_batches must be a positive int, got -2"),
     (["--steps", "40", "--warmup", "41"], "warmup must be in [0, steps=40]"),
     (["--warmup", "-1"], "warmup must be in [0, steps=40]"),
-    (["--aux-loss-coef", "-0.01"], "a finite aux_loss_coef >= 0 (-0.01)"),
-    (["--aux-loss-coef", "nan"], "a finite aux_loss_coef >= 0 (nan)"),
-    (["--lr", "inf"], "need a finite lr > 0 (got inf)"),
-    (["--weight-decay", "inf"], "a finite weight_decay >= 0 (inf)"),
+    (["--aux-loss-coef", "-0.01"], "aux_loss_coef must be a finite value >= 0, got -0.01"),
+    (["--aux-loss-coef", "nan"], "aux_loss_coef must be a finite value >= 0, got nan"),
+    (["--lr", "inf"], "lr must be a finite value > 0, got inf"),
+    (["--weight-decay", "inf"], "weight_decay must be a finite value >= 0, got inf"),
     (["--recipes", "bf16,,mxfp8"], "has an empty name"),
     (["--recipes", "bf16,mxfp8,"], "has an empty name"),
     (["--recipes", "bf16,bf16"], "names a recipe twice"),
@@ -305,8 +307,10 @@ def test_wall_time_leaves_out_process_one_offs():
     (["--compile", "inductor", "--device", "cpu"], "cannot compile the MX recipes"),
     (["--compile", "cudagraphs", "--device", "cpu"], "needs --device cuda"),
     (["--compile", "inductor-cudagraphs", "--device", "cpu"], "needs --device cuda"),
-    (["--lr", "-1"], "need a finite lr > 0 (got -1.0)"),
-    (["--min-lr-frac", "2"], "0 <= min_lr_frac <= 1 (2.0)"),
+    (["--lr", "-1"], "lr must be a finite value > 0, got -1.0"),
+    (["--min-lr-frac", "2"], "min_lr_frac must be in [0, 1], got 2.0"),
+    (["--grad-clip", "0"], "grad_clip must be > 0, got 0.0"),
+    (["--grad-accum", "0"], "grad_accum must be a positive int, got 0"),
     (["--dim", "96", "--ffn-dim", "72", "--recipes", "bf16,mxfp8"], "the mxfp8 recipe needs dim and ffn_dim divisible by 32 (MXFP8 scale groups), got 96 and 72"),
     (["--dim", "100", "--heads", "4", "--recipes", "fp32,bf16"], "the bf16 recipe needs dim and ffn_dim divisible by 8 (16-byte BF16 rows), got 100 and"),
 ])
@@ -380,6 +384,9 @@ def test_checkpoint_load_and_sample(run_dir, capsys):
     assert capsys.readouterr().out == text + "\n"
     with pytest.raises(ValueError, match="the prompt is empty"):
         generate(model, b"", 5)
+    for t in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="temperature must be finite and >= 0"):
+            generate(model, b"def ", 5, temperature=t)
     with pytest.raises(ValueError, match="more than the model's context"):
         model.logits(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
 
@@ -480,6 +487,24 @@ def test_training_state_write_is_atomic(tmp_path, monkeypatch):
     torch.save({"step": 1}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match="not a mxmoe train checkpoint"):
         train.load_training_state(tmp_path / "other.pt")
+
+
+def test_fresh_run_removes_an_earlier_runs_training_states(tmp_path, capsys):
+    """A fresh run into a folder that holds a killed run's states (run_config.json, checkpoints) removes
+    them, with or without checkpoints of its own: a later --resume must not continue the old run and
+    overwrite this run's outputs."""
+    (tmp_path / "run_config.json").write_text("{}")
+    for name in ("checkpoint_bf16.pt", "checkpoint_mxfp8_128.pt"):
+        (tmp_path / name).write_bytes(b"an earlier run's state")
+    (tmp_path / "notes.txt").write_text("not ours")
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--eval-every", "2", "--recipes", "bf16",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert "removed an earlier run's training states" in capsys.readouterr().out
+    assert not list(tmp_path.glob("checkpoint_*.pt")) and not (tmp_path / "run_config.json").exists()
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "metrics.json").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--resume", str(tmp_path)])
+    assert e.value.code == 2 and "no run_config.json there" in capsys.readouterr().err
 
 
 def test_resume_cli_errors(tmp_path, capsys):
