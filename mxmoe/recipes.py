@@ -110,6 +110,9 @@ RECIPES: dict[str, Recipe] = {
     # (128x1 along tokens for wgrad; expert groups padded to 128 rows), weights 128x128 tiles; every
     # tensor still MXFP8 (scales replicated per 32), promoted once per 128 of K on Hopper
     "mxfp8_128": Recipe("mxfp8_128", mxfp8=True, act_block=128, weight_block=128, align=128),
+    # mxfp8_128 holding less for backward, as mxfp8_lowmem: h kept in MXFP8 (1x128), weights requantized in backward
+    "mxfp8_128_lowmem": Recipe("mxfp8_128_lowmem", mxfp8=True, act_block=128, weight_block=128, align=128,
+                               swiglu_input_fp8=True, requantize_weights=True),
 }
 
 

@@ -249,18 +249,22 @@ def test_sm90_routes_pick_kernels(route, monkeypatch):
     assert calls == [m_kernel, k_kernel] * 2
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d", "mxfp8_128"])
 def test_requantize_weights_same_numbers(recipe):
     """requantize_weights (weights quantized again in backward, not kept in FP8): the same output
     and gradients bit for bit, and the parameter, not an FP8 copy, held for backward."""
     from mxmoe.recipes import get_recipe
 
     g = torch.Generator().manual_seed(8)
-    x, w = torch.randn(96, 64, generator=g), torch.randn(3, 64, 64, generator=g)
+    n = 128 if recipe == "mxfp8_128" else 32  # whole scale groups: 1x128 / 128x128 under mxfp8_128
+    x, w = torch.randn(3 * n, 2 * n, generator=g), torch.randn(3, 4 * n, 2 * n, generator=g)
+    with torch.no_grad():  # rows and columns a power of two apart: every tile holds several scales' worth
+        w.mul_(torch.exp2(torch.randint(-6, 7, (3, 4 * n, 1), generator=g).float())
+               * torch.exp2(torch.randint(-6, 7, (3, 1, 2 * n), generator=g).float()))
     outs = []
     for rq in (False, True):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = grouped_linear(xx, ww, offsets([32, 0, 64]), get_recipe(recipe).with_(requantize_weights=rq))
+        y = grouped_linear(xx, ww, offsets([n, 0, 2 * n]), get_recipe(recipe).with_(requantize_weights=rq))
         # (on the CPU 1x32 weights are requantized either way: only the Hopper expansion route keeps them)
         assert any(t is ww for t in y.grad_fn.saved_tensors) == (rq or recipe == "mxfp8")
         y.square().sum().backward()

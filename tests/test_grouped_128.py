@@ -191,13 +191,14 @@ def test_gpu_grouped_linear_128_products_vs_fp64():
 
 
 @pytest.mark.gpu
-def test_gpu_moe_layer_128_matches_reference_path():
+@pytest.mark.parametrize("recipe", ["mxfp8_128", "mxfp8_128_lowmem"])
+def test_gpu_moe_layer_128_matches_reference_path(recipe):
     """The layer on the GPU (fused FP8 permutation and SwiGLU, promote-per-128 products) against the same
     layer on the CPU's reference path, BF16 activations: outputs and gradients within BF16 rounding
     chains (the products differ only in summation order; BF16 roundings of intermediates can then move
     E4M3 roundings by one step)."""
     torch.manual_seed(0)
-    moe = mxmoe.MoE(dim=256, ffn_dim=384, num_experts=6, top_k=2, recipe="mxfp8_128")
+    moe = mxmoe.MoE(dim=256, ffn_dim=384, num_experts=6, top_k=2, recipe=recipe)
     x = torch.randn(700, 256).to(torch.bfloat16)
     dy = torch.randn(700, 256).to(torch.bfloat16)
 
@@ -221,7 +222,7 @@ def test_128_recipe_keeps_swiglu_input_in_1x128_groups():
     GPU kernel writes the same), and the layer's gradients stay close to the fp32 recipe's."""
     from mxmoe.ops import activation
 
-    r = get_recipe("mxfp8_128").with_(name="mxfp8_128_lowmem", swiglu_input_fp8=True)
+    r = get_recipe("mxfp8_128_lowmem")
     h = torch.randn(128, 512, requires_grad=True)
     seen = []
     orig = activation.pack

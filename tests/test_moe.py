@@ -150,7 +150,7 @@ def test_deepcopy_and_pickle_after_a_forward():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_lowmem", "bf16", "mxfp8_128"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_lowmem", "bf16", "mxfp8_128", "mxfp8_128_lowmem"])
 def test_gpu_torch_compile_layer(recipe):
     """torch.compile(fullgraph=True) of the layer on CUDA: one graph (custom ops, no host sync) and
     the eager numbers. Inductor fuses the ops around the custom ops (SwiGLU backward, combine) in
