@@ -181,9 +181,10 @@ def run_case(shape, proj, balance, quick, gen):
     return rows
 
 
-def run_sweep(cases, configs, quick, rounds=2):
+def run_sweep(cases, configs, quick, rounds=2, save=None):
     """Tile/chain A/B: per case and pass, every configuration timed ``rounds`` times, interleaved
-    (a b c a b c) so drift hits all arms alike; BF16 ``torch._grouped_mm`` once per case for scale."""
+    (a b c a b c) so drift hits all arms alike; BF16 ``torch._grouped_mm`` once per case for scale.
+    ``save(rows)`` (if given) runs after every row, so a run cut short keeps what it measured."""
     import dataclasses
 
     from mxmoe.kernels.sm90_tile_config import sm90_mx128_tile_config
@@ -225,6 +226,8 @@ def run_sweep(cases, configs, quick, rounds=2):
             print(f"sweep {shape:<14}{proj:<5}{pas:<6} bf16 {row['bf16_tflops']:5.0f} " + "  ".join(
                 f"[{c}] {'/'.join(f'{v:.0f}' for v in vs)}" for c, vs in row["tflops"].items()), flush=True)
             rows.append(row)
+            if save is not None:
+                save(rows)
             del a, b, sa, sb
             torch.cuda.empty_cache()
     return rows
@@ -253,6 +256,7 @@ def main():
                     "'chain=2;chain=4;chain=4,stages=5' (cases: --shapes x --projs, balanced)")
     ap.add_argument("--cudagraph", action="store_true", help="time CUDA-graph replays (the kernels' GPU time; "
                     "without it each call is timed alone and small products are timed by their host work)")
+    ap.add_argument("--rounds", type=int, default=2, help="--sweep: timings per configuration, interleaved")
     ap.add_argument("--chain", type=int, default=None, help="override of the tile config's chain (stages per drain)")
     args = ap.parse_args()
     import triton
@@ -263,10 +267,14 @@ def main():
         CONFIG = Sm90TileConfig(chain=args.chain)
     if args.sweep is not None:
         cases = [(s, p) for s in args.shapes.split(",") for p in args.projs.split(",")]
-        rows = run_sweep(cases, args.sweep.split(";"), args.quick)
-        with open(args.out, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(), sweep=rows), f, indent=1)
+        head = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                    timing="do_bench_cudagraph" if args.cudagraph else "do_bench", rounds=args.rounds,
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat())
+
+        def save(rows):
+            with open(args.out, "w") as f:
+                json.dump(dict(head, sweep=rows), f, indent=1)
+        run_sweep(cases, args.sweep.split(";"), args.quick, args.rounds, save)
         return
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -212,6 +212,7 @@ class _MXDispatch(torch.autograd.Function):
         data, scale = data.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
         xp = MXTensor(data, scale, 1, scale_rule, (1, act_block)).dequantize(x.dtype)  # [M, D]
         ctx.mark_non_differentiable(data, scale)
+        ctx.set_materialize_grads(False)  # no zero FP8 gradients made for data and scale
         ctx.plan, ctx.top_k, ctx.tokens, ctx.grad_dtype, ctx.group = plan, top_k, T, grad_dtype or x.dtype, group
         ctx.x_dtype = x.dtype
         return xp, data, scale

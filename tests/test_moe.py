@@ -173,6 +173,27 @@ def test_gpu_torch_compile_layer(recipe):
         assert torch.isfinite(c).all() and err <= 3e-2, f"{recipe} {name}: rel err {err:.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_128", "mxfp8_128_lowmem"])
+def test_gpu_backward_makes_no_fp8_zero_gradients(recipe):
+    """The fused permutation / SwiGLU quantizers return FP8 outputs that take no gradient; autograd
+    must not fill a zero FP8 tensor of each one's size in backward (it does unless the functions
+    turn off materialized gradients: ~0.3 ms of a Qwen3-sized layer step on an H200)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    moe = mxmoe.MoE(256, 512, 8, 2, recipe=recipe).cuda()
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    moe(x).float().square().mean().backward()  # compile and warm up outside the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        moe(x).float().square().mean().backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if str(e.device_type).endswith("CUDA")]  # the kernels
+    assert any("gemm" in n.lower() for n in names), names[:20]
+    fills = [n for n in names if "FillFunctor" in n and "Float8" in n]
+    assert not fills, f"{recipe}: {len(fills)} FP8 fills in forward + backward: {fills[:3]}"
+
+
 def test_unpermute_gather_rows_matches_index_select_grad():
     """MoE.unpermute's backward (index_copy into zeros) equals autograd's index_select backward
     (index_add into zeros) for slot rows without repeats, padding rows included (zero)."""

@@ -38,7 +38,10 @@ def check_all(device: str) -> None:
     same(S.sm90_scale_layout(s[:, ::4]), S.sm90_scale_layout_reference(s[:, ::4]), "strided rows [:, ::4]")
     w = _bytes((3, 96, 16), gen, device)
     same(S.sm90_scale_layout(w[:, ::32, ::4]), S.sm90_scale_layout_reference(w[:, ::32, ::4]), "weight tiles")
-    for counts, extra in [([100, 0, 333, 27, 0], 5), ([0, 130, 70], 0), ([3, 1, 0, 200] * 9, 7), ([0], 4), ([9], 0)]:
+    many = torch.randint(0, 40, (130,), generator=gen).tolist()  # 130 groups (EP2 256), some empty
+    many[-3:] = [0, 0, 0]  # empty trailing groups: columns past the last non-empty one
+    for counts, extra in [([100, 0, 333, 27, 0], 5), ([0, 130, 70], 0), ([3, 1, 0, 200] * 9, 7), ([0], 4), ([9], 0),
+                          (many, 3)]:
         M = sum(counts) + extra
         s = _bytes((M, 20), gen, device)
         offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)

@@ -126,13 +126,14 @@ if HAS_TRITON:
         padded = (counts + 3) // 4 * 4
         starts_incl = tl.cumsum(padded, 0)
         cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
-        # Group of each column: groups whose padded range ends at or before it come first (their
-        # ends and offsets are non-decreasing, so a max over them gives the group's own start).
+        # Group of each column: the number of groups whose padded range ends at or before it (one
+        # [BLOCK_W, EP2] reduction; its start column, first row and count are then gathered by it).
         before = (starts_incl[None, :] <= cols[:, None]) & in_e[None, :]
         g = tl.sum(before.to(tl.int32), 1)
-        g_start_col = tl.max(tl.where(before, starts_incl[None, :], 0), 1)
-        g_first_row = tl.max(tl.where(before, ends[None, :], 0), 1)
-        g_count = tl.sum(tl.where(e[None, :] == g[:, None], counts[None, :], 0), 1)
+        gi = tl.minimum(g, EP2 - 1)  # g == E (columns past every group) is masked off below
+        g_start_col = tl.gather(starts_incl - padded, gi, 0)
+        g_first_row = tl.gather(prev, gi, 0)
+        g_count = tl.gather(counts, gi, 0)
         i = cols - g_start_col
         valid = (g < E) & (i < g_count) & (cols < W)
         k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -32,6 +32,7 @@ class _SwiGLUQDQ(torch.autograd.Function):
         ctx.save_for_backward(*hs)
         ctx.be = be
         ctx.mark_non_differentiable(data_t, scale_t)
+        ctx.set_materialize_grads(False)  # no zero FP8 gradients made for the non-differentiable outputs
         return a16, data_t, scale_t
 
     @staticmethod
@@ -55,6 +56,7 @@ class _SwiGLUQuantize128(_SwiGLUQDQ):
         ctx.save_for_backward(*hs)
         ctx.be = be
         ctx.mark_non_differentiable(data, scale, data_t, scale_t)
+        ctx.set_materialize_grads(False)
         return grad_handle(h, h.shape[0], h.shape[1] // 2), data, scale, data_t, scale_t
 
 

@@ -27,6 +27,7 @@ class _PermuteQDQ(torch.autograd.Function):
         ctx.save_for_backward(slot_rows)
         ctx.top_k, ctx.be = top_k, be
         ctx.mark_non_differentiable(data_t, scale_t)
+        ctx.set_materialize_grads(False)  # no zero FP8 gradients made for the non-differentiable outputs
         return xp16, data_t, scale_t
 
     @staticmethod
@@ -51,6 +52,7 @@ class _PermuteQuantize128(_PermuteQDQ):
         ctx.save_for_backward(slot_rows)
         ctx.top_k, ctx.be = top_k, be
         ctx.mark_non_differentiable(data, scale, data_t, scale_t)
+        ctx.set_materialize_grads(False)
         return grad_handle(x2, rows, x2.shape[1]), data, scale, data_t, scale_t
 
 
