@@ -12,7 +12,7 @@ python3 -m mxmoe info >>"$LOG" 2>&1
 FILES="tests/test_grouped_gemm_sm90.py tests/test_grouped_gemm_sm90_128.py tests/test_moe.py tests/test_layer_kernels.py
  tests/test_quantize_kernels.py tests/test_qdq_kernels.py tests/test_cuda_paths.py tests/test_torch_ops.py
  tests/test_dequantize_kernel.py tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py
- tests/test_train.py tests/test_sm90_scales.py"
+ tests/test_train.py tests/test_sm90_scales.py tests/test_router.py"
 s=$SECONDS
 echo "=== test files, 6 processes at a time (limit 330s each)" >>"$LOG"
 printf '%s\n' $FILES | xargs -P 6 -I{} sh -c 'f={}; n=$(basename $f .py); \

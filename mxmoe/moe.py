@@ -19,13 +19,12 @@ import operator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mxmoe.backend import Backend, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
-from mxmoe.ops import combine, grouped_linear, permute_tokens, swiglu
+from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits, swiglu
 from mxmoe.ops.linear import prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
@@ -153,8 +152,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> Routing:
         """Router in FP32, :meth:`select`, the permutation plan; sets ``self.aux_loss``."""
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # [T, E]
+        logits = router_logits(x, self.router.weight)  # [T, E] FP32 (autocast does not apply)
         probs, weights, experts = self.select(logits)
         slot_rows, offs, rows, counts = permute_plan(experts, self.num_experts, self.recipe.align)
         frac_routed = counts.to(torch.float32) / max(experts.numel(), 1)  # f_e

@@ -12,6 +12,10 @@ validate shapes (these are reached through :mod:`mxmoe.ops`, which checks them o
 ``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]``) bf16 -> dh ``[M, 2F]`` bf16; or h as MXFP8
                             along 2F (data e4m3 + h_scale ``[M, 2F/32]`` e8m0), expanded in the kernel
 ``to_float32``              bf16/fp16/fp32 x (any shape) -> float32 copy (e.g. a weight gradient)
+``router_logits``           bf16 x ``[T, D]``, w3 ``[3, E, D]`` bf16 (an FP32 weight's pieces, E <= 128)
+                            -> FP32 ``x @ w^T`` ``[T, E]``
+``router_dx``               (dl ``[T, E]`` fp32, w3) -> ``dl @ w`` ``[T, D]`` bf16
+``router_dw``               (dl ``[T, E]`` fp32, x ``[T, D]`` bf16) -> ``dl^T @ x`` ``[E, D]`` fp32
 ==========================  ====================================================================
 """
 
@@ -112,6 +116,63 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
                                                             BR=_BWD_ROWS, BF=_BLOCK_COLS, SOFT=_soft(),
                                                             num_warps=_WARPS)
     return dh
+
+
+ROUTER_MAX_EXPERTS = 128  # one tile holds a token's logits (at 256, router_dx spills ~10 KB, offline sm_90)
+
+
+def _router_tiles(E: int) -> tuple[int, int]:
+    """(BE, BT): the expert tile (>= 16, a tl.dot operand) and tokens per program."""
+    if not 0 < E <= ROUTER_MAX_EXPERTS:
+        raise ValueError(f"the router kernels take 1 to {ROUTER_MAX_EXPERTS} experts, got {E}")
+    return max(16, 1 << (E - 1).bit_length()), 64
+
+
+def router_logits(x: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """FP32 logits ``[T, E]`` of bf16 ``x [T, D]`` against an FP32 weight ``[E, D]`` given as its three
+    BF16 pieces ``w3 [3, E, D]`` (``w == w3[0] + w3[1] + w3[2]``): BF16 tensor cores, FP32 sums, so the FP32
+    product up to summation order, without an FP32 copy of x."""
+    x = _rows_last_contiguous(x)
+    T, D = x.shape
+    E = w3.shape[1]
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    BE, BT = _router_tiles(E)
+    if T:
+        _k().router_logits_kernel[(_cdiv(T, BT),)](x, w3, out, T, D, E, x.stride(0), BT=BT, BE=BE, BK=64,
+                                                   SOFT=_soft(), num_warps=4)
+    return out
+
+
+def router_dx(dl: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """``dl @ w`` ``[T, D]`` bf16 (FP32 sums, one rounding) of FP32 ``dl [T, E]`` and ``w3`` as in
+    :func:`router_logits`."""
+    dl = dl.contiguous()
+    T, E = dl.shape
+    D = w3.shape[2]
+    dx = torch.empty(T, D, dtype=torch.bfloat16, device=dl.device)
+    BE, BT = _router_tiles(E)
+    if T and D:
+        _k().router_dx_kernel[(_cdiv(T, BT), _cdiv(D, 64))](dl, w3, dx, T, D, E, dx.stride(0), BT=BT, BE=BE,
+                                                           BD=64, SOFT=_soft(), num_warps=4)
+    return dx
+
+
+def router_dw(dl: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dl^T @ x`` ``[E, D]`` FP32 of FP32 ``dl [T, E]`` and bf16 ``x [T, D]``: the token range is split
+    over enough programs to fill the GPU, and the partial sums are added in a fixed order (deterministic)."""
+    dl, x = dl.contiguous(), _rows_last_contiguous(x)
+    T, E = dl.shape
+    D = x.shape[1]
+    BE, BT = _router_tiles(E)
+    BD = 64
+    splits = max(1, min(_cdiv(T, 4 * BT), _cdiv(264, _cdiv(D, BD))))  # ~2 programs per SM, >= 4 steps each
+    rows = _cdiv(_cdiv(max(T, 1), splits), BT) * BT
+    splits = _cdiv(max(T, 1), rows)
+    part = torch.empty(splits, E, D, dtype=torch.float32, device=x.device)
+    if D:
+        _k().router_dw_kernel[(_cdiv(D, BD), splits)](dl, x, part, T, D, E, x.stride(0), rows, BT=BT, BE=BE,
+                                                     BD=BD, SOFT=_soft(), num_warps=4)
+    return part[0] if splits == 1 else part.sum(0)
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:

@@ -180,3 +180,91 @@ def swiglu_backward_kernel(da_ptr, h_ptr, hs_ptr, dh_ptr, M, F, stride_da, strid
     dp = dh_ptr + r64 * stride_dh + f
     tl.store(dp, d_gate, mask=mask)
     tl.store(dp + F, d_up, mask=mask)
+
+
+@triton.jit
+def _split3_bf16(x, SOFT: tl.constexpr):
+    """FP32 ``x`` as three BF16 pieces with ``hi + mid + lo == x`` exactly (8 + 8 + 8 significand bits,
+    each rounded to nearest even from the remainder of the pieces before it)."""
+    hi = _to_bf16(x, SOFT)
+    r = x - _to_f32(hi)
+    mid = _to_bf16(r, SOFT)
+    return hi, mid, _to_bf16(r - _to_f32(mid), SOFT)
+
+
+@triton.jit
+def _dot_bf16(a, b, acc, SOFT: tl.constexpr):
+    """``acc + a @ b`` of BF16 tiles with FP32 sums (tensor cores); SOFT: as FP32 operands, whose
+    products of BF16 values are just as exact (the interpreter's BF16 handling is not)."""
+    if SOFT:
+        return tl.dot(_to_f32(a), _to_f32(b), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def router_logits_kernel(x_ptr, w_ptr, out_ptr, T, D, E, stride_x,
+                         BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, SOFT: tl.constexpr):
+    """out [T, E] FP32 = x @ w^T for BF16 x [T, D] and an FP32 weight given as its three BF16 pieces
+    w [3, E, D] (:func:`_split3_bf16`): BF16 x BF16 products are exact in FP32 and the tensor cores sum
+    them in FP32, so this is the FP32 product up to summation order."""
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    e = tl.arange(0, BE)
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=(t < T)[:, None] & (k < D)[None, :], other=0.0)
+        for j in tl.static_range(3):  # the small pieces first
+            wt = tl.load(w_ptr + ((2 - j) * E + e[:, None]).to(tl.int64) * D + k[None, :],
+                         mask=(e < E)[:, None] & (k < D)[None, :], other=0.0)
+            acc = _dot_bf16(xt, tl.trans(wt), acc, SOFT)
+    tl.store(out_ptr + t[:, None] * E + e[None, :], acc, mask=(t < T)[:, None] & (e < E)[None, :])
+
+
+@triton.jit
+def router_dx_kernel(dl_ptr, w_ptr, dx_ptr, T, D, E, stride_dx,
+                     BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, SOFT: tl.constexpr):
+    """dx [T, D] = dl @ w in FP32, rounded once to dx's dtype, for FP32 dl [T, E] and w [3, E, D] (the
+    FP32 weight's BF16 pieces): dl split into BF16 pieces too, every product of pieces whose combined
+    weight is at least 2^-16 of the leading one (6 of the 9), smallest first."""
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    e = tl.arange(0, BE)
+    dl = tl.load(dl_ptr + t[:, None] * E + e[None, :], mask=(t < T)[:, None] & (e < E)[None, :], other=0.0)
+    d_hi, d_mid, d_lo = _split3_bf16(dl, SOFT)
+    wm = (e < E)[:, None] & (d < D)[None, :]
+    w_off = e[:, None].to(tl.int64) * D + d[None, :]
+    w_hi = tl.load(w_ptr + w_off, mask=wm, other=0.0)
+    w_mid = tl.load(w_ptr + E * D + w_off, mask=wm, other=0.0)
+    w_lo = tl.load(w_ptr + 2 * E * D + w_off, mask=wm, other=0.0)
+    acc = _dot_bf16(d_lo, w_hi, tl.zeros([BT, BD], dtype=tl.float32), SOFT)
+    acc = _dot_bf16(d_mid, w_mid, acc, SOFT)
+    acc = _dot_bf16(d_hi, w_lo, acc, SOFT)
+    acc = _dot_bf16(d_mid, w_hi, acc, SOFT)
+    acc = _dot_bf16(d_hi, w_mid, acc, SOFT)
+    acc = _dot_bf16(d_hi, w_hi, acc, SOFT)
+    _store_as(dx_ptr + t[:, None] * stride_dx + d[None, :], acc, (t < T)[:, None] & (d < D)[None, :], SOFT)
+
+
+@triton.jit
+def router_dw_kernel(dl_ptr, x_ptr, part_ptr, T, D, E, stride_x, rows_per_split,
+                     BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, SOFT: tl.constexpr):
+    """part [S, E, D] FP32: program (j, s) sums dl^T @ x over tokens [s * rows_per_split, (s + 1) *
+    rows_per_split) for columns j * BD ...; FP32 dl [T, E] split into BF16 pieces (exact), BF16 x [T, D]
+    (exact in BF16), so each partial is the FP32 product up to summation order."""
+    d = tl.program_id(0) * BD + tl.arange(0, BD)
+    t_begin = tl.program_id(1) * rows_per_split
+    t_end = tl.minimum(t_begin + rows_per_split, T)
+    e = tl.arange(0, BE)
+    acc = tl.zeros([BE, BD], dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BT):
+        t = (t0 + tl.arange(0, BT)).to(tl.int64)
+        live = t < t_end
+        dl = tl.load(dl_ptr + t[:, None] * E + e[None, :], mask=live[:, None] & (e < E)[None, :], other=0.0)
+        d_hi, d_mid, d_lo = _split3_bf16(dl, SOFT)
+        xt = tl.load(x_ptr + t[:, None] * stride_x + d[None, :], mask=live[:, None] & (d < D)[None, :], other=0.0)
+        acc = _dot_bf16(tl.trans(d_lo), xt, acc, SOFT)
+        acc = _dot_bf16(tl.trans(d_mid), xt, acc, SOFT)
+        acc = _dot_bf16(tl.trans(d_hi), xt, acc, SOFT)
+    out = part_ptr + (tl.program_id(1) * E + e[:, None]).to(tl.int64) * D + d[None, :]
+    tl.store(out, acc, mask=(e < E)[:, None] & (d < D)[None, :])

@@ -32,6 +32,9 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``swiglu``                  h ``[M, 2F]`` bf16 -> ``silu(h[:, :F]) * h[:, F:]`` ``[M, F]``
 ``swiglu_backward``         (da ``[M, F]``, h ``[M, 2F]`` bf16 or e4m3, h_scale e8m0 or None) -> dh ``[M, 2F]``
 ``to_float32``              bf16/fp16/fp32 x -> float32 copy
+``router_logits``           (x ``[T, D]`` bf16, w3 ``[3, E, D]`` bf16 pieces of an FP32 weight) -> FP32 ``[T, E]``
+``router_dx``               (dl ``[T, E]`` fp32, w3) -> bf16 ``[T, D]``
+``router_dw``               (dl ``[T, E]`` fp32, x ``[T, D]`` bf16) -> FP32 ``[E, D]``
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
 ``sm90_mx128_m_grouped_gemm``  as ``sm90_m_grouped_gemm``, 1x128 activations x 128x128 weight tiles
@@ -257,6 +260,27 @@ def to_float32(x: torch.Tensor) -> torch.Tensor:
     return layer.to_float32(x)
 
 
+@_op
+def router_logits(x: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.router_logits(x, w3)
+
+
+@_op
+def router_dx(dl: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.router_dx(dl, w3)
+
+
+@_op
+def router_dw(dl: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    from mxmoe.kernels import layer
+
+    return layer.router_dw(dl, x)
+
+
 def _bf16(x, transposed=False):
     shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transposed else x.shape
     return x.new_empty(shape, dtype=torch.bfloat16)
@@ -330,6 +354,9 @@ combine_backward.register_fake(lambda dy, w, yp, slot, top_k: (
 swiglu.register_fake(lambda h: h.new_empty((h.shape[0], h.shape[1] // 2), dtype=torch.bfloat16))
 swiglu_backward.register_fake(lambda da, h, h_scale=None: h.new_empty(h.shape, dtype=torch.bfloat16))
 to_float32.register_fake(lambda x: x.new_empty(x.shape, dtype=torch.float32))
+router_logits.register_fake(lambda x, w3: x.new_empty((x.shape[0], w3.shape[1]), dtype=torch.float32))
+router_dx.register_fake(lambda dl, w3: dl.new_empty((dl.shape[0], w3.shape[2]), dtype=torch.bfloat16))
+router_dw.register_fake(lambda dl, x: dl.new_empty((dl.shape[1], x.shape[1]), dtype=torch.float32))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:
     a.new_empty((a.shape[0], b.shape[1]), dtype=_DTYPES[out_dtype]))

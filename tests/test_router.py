@@ -1,0 +1,103 @@
+"""The router's FP32 product (mxmoe.ops.router): the three-piece BF16 split of the weight, the Triton
+kernels against FP64 references (under Triton's interpreter on the CPU, on the device with CUDA), and the
+autograd function against ``F.linear`` of FP32 copies."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mxmoe.ops.router import router_logits, split_bf16
+from test_qdq_kernels import run_interpreted
+
+gpu = pytest.mark.gpu
+
+
+def test_split_bf16_is_exact():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 300, generator=g) * torch.exp2(torch.randint(-100, 100, (64, 300), generator=g).float())
+    w[0, :4] = torch.tensor([0.0, -0.0, 1.0 + 2.0**-23, -(2.0**-126)])
+    p = split_bf16(w)
+    assert p.shape == (3, 64, 300) and p.dtype == torch.bfloat16
+    assert torch.equal((p[0].float() + p[1].float()) + p[2].float(), w)
+    assert (p[1].float().abs() <= p[0].float().abs() * 2.0**-8).all()  # each piece below the last one's ulp
+
+
+def test_cpu_router_is_fp32_linear():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 48, generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(6, 48, generator=g, requires_grad=True)
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32 and torch.equal(out, F.linear(x.float(), w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert router_logits(x, w).dtype == torch.float32
+
+
+def test_router_kernels_refuse_too_many_experts():
+    from mxmoe.kernels import layer
+
+    with pytest.raises(ValueError, match="1 to 128 experts, got 129"):
+        layer.router_logits(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(3, 129, 64, dtype=torch.bfloat16))
+
+
+def check_kernels(device: str) -> None:
+    """The three kernels against FP64 products of the same operands; raises AssertionError."""
+    from mxmoe.kernels import layer
+
+    g = torch.Generator().manual_seed(2)
+    for T, D, E in [(77, 200, 8), (130, 96, 20), (64, 128, 128), (33, 64, 100), (0, 64, 8)]:
+        x = (torch.randn(T, D, generator=g) * 3).to(torch.bfloat16)
+        w = torch.randn(E, D, generator=g) * 0.05
+        dl = torch.randn(T, E, generator=g) * torch.exp2(torch.randint(-20, 20, (T, E), generator=g).float())
+        w3 = split_bf16(w)
+        x_d, w3_d, dl_d = x.to(device), w3.to(device), dl.to(device)
+        want = x.double() @ w.double().T
+        got = layer.router_logits(x_d, w3_d).cpu()
+        assert got.shape == (T, E) and got.dtype == torch.float32
+        err = ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+        assert T == 0 or err < 2e-7, f"logits {T}x{D}x{E}: rel err {err:.1e}"
+        dx = layer.router_dx(dl_d, w3_d).cpu()
+        want_dx = (dl.double() @ w.double())
+        assert dx.shape == (T, D) and dx.dtype == torch.bfloat16
+        # one rounding of an FP32-accurate sum: the nearest BF16 or (near a tie) its neighbour
+        ulp = torch.exp2(torch.floor(torch.log2(want_dx.abs().clamp_min(1e-30)))) * 2.0**-7
+        assert ((dx.double() - want_dx).abs() <= ulp * 0.5 * (1 + 2.0**-6)).all(), f"dx {T}x{D}x{E}"
+        dw = layer.router_dw(dl_d, x_d).cpu()
+        want_dw = dl.double().T @ x.double()
+        assert dw.shape == (E, D) and dw.dtype == torch.float32
+        err = ((dw.double() - want_dw).norm() / want_dw.norm().clamp_min(1e-300)).item()
+        assert (T == 0 and torch.equal(dw, torch.zeros(E, D))) or err < 2e-7, f"dw {T}x{D}x{E}: rel err {err:.1e}"
+
+
+_SCRIPT = """
+from tests.test_router import check_kernels
+check_kernels("cpu")
+print("ok")
+"""
+
+
+def test_router_kernels_interpreted():
+    run_interpreted(_SCRIPT)
+
+
+@gpu
+def test_gpu_router_kernels():
+    check_kernels("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("E", [8, 128, 160])  # 160: the F.linear path
+def test_gpu_router_autograd_matches_fp32_linear(E):
+    """The fast path against ``F.linear`` of FP32 copies (cuBLAS SGEMM, TF32 off): logits and dw to FP32
+    summation order, dx the same BF16 values but where the FP32 sums round to neighbouring BF16s."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4096, 1024, generator=g)).to(torch.bfloat16).cuda().requires_grad_()
+    w = (torch.randn(E, 1024, generator=g) * 0.03).cuda().requires_grad_()
+    dl = torch.randn(4096, E, generator=g).cuda()
+    out = router_logits(x, w)
+    (dx, dw) = torch.autograd.grad(out, (x, w), dl)
+    ref = F.linear(x.float(), w)
+    (rdx, rdw) = torch.autograd.grad(ref, (x, w), dl)
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
+    assert rel(out, ref) < 1e-6 and rel(dw, rdw) < 1e-6
+    assert dx.dtype == torch.bfloat16 and (dx != rdx).float().mean().item() < 1e-3 and rel(dx, rdx) < 1e-4
