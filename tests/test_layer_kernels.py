@@ -131,8 +131,15 @@ def test_gpu_layer_with_and_without_layer_kernels(recipe, monkeypatch):
     """The MoE layer with the layer kernels equals the torch-op layer: expert weight gradients bit
     for bit (the combine's row gradients and SwiGLU are the same arithmetic); the output to one BF16
     rounding (the kernel's combine fuses multiply-adds), input and router gradients to FP32
-    summation order (the router's products: BF16 tensor cores against cuBLAS's SGEMM)."""
+    summation order (the router-weight gradient's dot products). The router's product is held to
+    ``F.linear`` in both runs: its kernels sum in another order (tests/test_router.py), which moves the
+    routing weights' last bits and so every gradient's."""
+    import torch.nn.functional as F
+
     import mxmoe
+    import mxmoe.moe
+
+    monkeypatch.setattr(mxmoe.moe, "router_logits", lambda x, w, backend=None: F.linear(x.float(), w.float()))
 
     def run(flag):
         monkeypatch.setenv("MXMOE_LAYER_KERNELS", flag)
@@ -149,10 +156,5 @@ def test_gpu_layer_with_and_without_layer_kernels(recipe, monkeypatch):
         assert torch.isfinite(a).all(), name
         if name in ("dw13", "dw2"):
             assert torch.equal(a, b), f"{recipe} {name} differs"
-        elif name == "dx":  # the router's input gradient (BF16, ~1) may round to the neighbouring BF16 where
-            # its FP32 sum lies near a tie (another summation order), visible where the permutation's cancels it
-            bad = (a.float() - b.float()).abs() > 1e-4 + 2e-2 * b.float().abs()
-            assert bad.float().mean().item() <= 1e-3, f"{recipe} dx: {int(bad.sum())} elements differ"
-            assert ((a.float() - b.float()).abs() <= 2.0**-8 * b.float().abs().max()).all(), f"{recipe} dx"
         else:
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-4, msg=f"{recipe} {name}")
