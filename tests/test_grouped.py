@@ -157,6 +157,8 @@ def test_transposing_a_32x32_tensor_off_its_tile_dims_drops_the_tile_label():
     (lambda: grouped_mm(mxmoe.quantize(torch.randn(32, 32), axis=0), mxmoe.quantize(torch.randn(2, 32, 32), axis=1),
                         torch.tensor([4, 8], dtype=torch.int32)), ValueError, "contraction dim"),
     (lambda: grouped_linear(torch.randn(8, 48), torch.randn(2, 32, 48), torch.tensor([4, 8], dtype=torch.int32)), ValueError, "divisible by 32"),
+    (lambda: grouped_linear(torch.randn(8, 64), torch.randn(2, 32, 64, device="meta"), torch.tensor([4, 8], dtype=torch.int32),
+                            recipe="bf16"), ValueError, "one device, got cpu and meta"),
 ])
 def test_bad_input(call, exc, msg):
     with pytest.raises(exc, match=msg):

@@ -32,6 +32,38 @@ def test_cpu_router_is_fp32_linear():
         assert router_logits(x, w).dtype == torch.float32
 
 
+@pytest.mark.parametrize("x, w, err, match", [
+    (torch.randn(16), torch.randn(4, 16), ValueError, r"x \[T, D\] and w \[E, D\], got x \(16,\)"),
+    (torch.randn(8, 16), torch.randn(16), ValueError, r"got x \(8, 16\) and w \(16,\)"),
+    (torch.randn(2, 4, 16), torch.randn(4, 16), ValueError, r"got x \(2, 4, 16\)"),
+    (torch.randn(8, 16), torch.randn(16, 4), ValueError, r"and w \(16, 4\)"),
+    (torch.randn(8, 16).int(), torch.randn(4, 16), TypeError, "x must be a floating-point tensor, got torch.int32"),
+    (torch.randn(8, 16), torch.ones(4, 16, dtype=torch.bool), TypeError, "w must be a floating-point tensor"),
+    ([[1.0] * 16], torch.randn(4, 16), TypeError, "got list"),
+    (torch.randn(8, 16), torch.randn(4, 16, device="meta"), ValueError, "one device, got cpu and meta"),
+])
+def test_router_logits_rejects_bad_input(x, w, err, match):
+    with pytest.raises(err, match=match):
+        router_logits(x, w)
+
+
+def test_router_logits_rejects_a_backend_that_is_not_one():
+    with pytest.raises(TypeError, match="backend must be a mxmoe.backend.Backend or None, got str"):
+        router_logits(torch.randn(8, 16), torch.randn(4, 16), backend="cuda")
+
+
+def test_router_logits_traces_on_meta():
+    assert router_logits(torch.randn(8, 16, device="meta"), torch.randn(4, 16, device="meta")).shape == (8, 4)
+
+
+def test_moe_on_another_device_than_its_input_is_an_error():
+    import mxmoe
+
+    m = mxmoe.MoE(64, 64, 4, 2, recipe="mxfp8").to("meta")  # e.g. built under torch.device("meta"), never materialized
+    with pytest.raises(ValueError, match="one device, got cpu and meta"):
+        m(torch.randn(16, 64))
+
+
 def test_router_kernels_refuse_too_many_experts():
     from mxmoe.kernels import layer
 

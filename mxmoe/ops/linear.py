@@ -211,6 +211,8 @@ def _check_args(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Re
         raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
     if x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
+    if x.device != w.device:
+        raise ValueError(f"grouped_linear: x and w must be on one device, got {x.device} and {w.device}")
     sg = recipe.scale_groups
     if recipe.mxfp8 and (w.shape[1] % sg or w.shape[2] % sg):
         raise ValueError(f"the {recipe.name} recipe needs N and K divisible by {sg} (its MX scale groups), "
@@ -259,7 +261,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     Returns:
         ``[M, N]`` in ``x.dtype``.
     Raises:
-        ValueError: shape mismatch, K or N not divisible by 32 under MXFP8, bad offsets, MX-wgrad
+        ValueError: shape mismatch, x and w on two devices, K or N not divisible by 32 under MXFP8, bad offsets, MX-wgrad
             groups not on 32-row boundaries, ``x_mx`` / ``x_wgrad`` not matching x and the recipe.
         TypeError: non-float inputs, ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
 

@@ -44,21 +44,36 @@ class _RouterLogits(torch.autograd.Function):
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor, backend: Backend | None = None) -> torch.Tensor:
-    """Router logits ``[T, E]`` FP32 of tokens ``x [T, D]`` and the router weight ``w [E, D]``: the FP32
-    product ``x.float() @ w.float().T`` (what ``F.linear`` of FP32 copies computes; autocast does not
-    apply).
+    """Router logits ``[T, E]`` FP32 of tokens ``x [T, D]`` and the router weight ``w [E, D]`` (floating
+    tensors of any float dtype, on one device): the FP32 product ``x.float() @ w.float().T`` (what
+    ``F.linear`` of FP32 copies computes; autocast does not apply; FP64 inputs are rounded to FP32).
 
     For BF16 x on CUDA with the layer kernels on and E <= 128 the same product comes from BF16 tensor
-    cores (:class:`_RouterLogits`: FP32 to summation order, not bit for bit cuBLAS's SGEMM); otherwise
-    ``F.linear`` of FP32 operands.
+    cores (:class:`_RouterLogits`: FP32 sums, not bit for bit cuBLAS's SGEMM; ``tests/test_router.py``);
+    otherwise ``F.linear`` of FP32 operands.
+
+    Raises:
+        TypeError: x or w not a floating-point tensor, or ``backend`` not a :class:`~mxmoe.backend.Backend`.
+        ValueError: x not 2-D, w not ``[E, D]`` with x's D, or x and w on two devices.
     """
     from mxmoe.kernels.layer import ROUTER_MAX_EXPERTS
 
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"router_logits: {name} must be a floating-point tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"router_logits expects x [T, D] and w [E, D], got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    if x.device != w.device:
+        raise ValueError(f"router_logits: x and w must be on one device, got {x.device} and {w.device}")
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"router_logits: backend must be a mxmoe.backend.Backend or None, got {type(backend).__name__}")
     be = backend or resolve(x.device)
     ops = layer_ops_for(x, be)
-    if (ops is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2
-            and w.shape == (w.shape[0], x.shape[1]) and 0 < w.shape[0] <= ROUTER_MAX_EXPERTS
-            and w.dtype in (torch.float32, torch.bfloat16) and w.device == x.device):
+    if (ops is not None and x.dtype == torch.bfloat16 and 0 < w.shape[0] <= ROUTER_MAX_EXPERTS
+            and w.dtype in (torch.float32, torch.bfloat16)):
         return _RouterLogits.apply(x, w, be)
+    if not torch.amp.is_autocast_available(x.device.type):  # e.g. meta tensors (shape tracing)
+        return F.linear(x.float(), w.float())
     with torch.autocast(x.device.type, enabled=False):
         return F.linear(x.float(), w.float())
