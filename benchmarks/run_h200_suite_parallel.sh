@@ -13,13 +13,7 @@ FILES="tests/test_grouped_gemm_sm90.py tests/test_grouped_gemm_sm90_128.py tests
  tests/test_quantize_kernels.py tests/test_qdq_kernels.py tests/test_cuda_paths.py tests/test_torch_ops.py
  tests/test_dequantize_kernel.py tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py
  tests/test_train.py tests/test_sm90_scales.py tests/test_router.py"
-s=$SECONDS
-echo "=== test files, 6 processes at a time (limit 330s each)" >>"$LOG"
-printf '%s\n' $FILES | xargs -P 6 -I{} sh -c 'f={}; n=$(basename $f .py); \
-  timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider $f >"$0/pytest_$n.txt" 2>&1; \
-  echo "$n rc=$? $(grep -E "[0-9]+ (passed|failed)" "$0/pytest_$n.txt" | tail -1)" >>"$0/log.txt"' "$OUT"
-echo "=== test files done in $((SECONDS - s))s" >>"$LOG"
-grep -h -B2 -A25 "^FAILED\|^ERROR\|= FAILURES =" "$OUT"/pytest_*.txt | head -c 6000 >>"$LOG"
+gpu_test_files 330 $FILES
 step 50 python3 -m mxmoe train --preset tiny --device cuda --out /tmp/mxmoe_tiny
 [ "${BENCH:-1}" = 1 ] || exit 0
 step 100 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8_128,mxfp8,bf16 --balance balanced,skewed \
