@@ -121,11 +121,14 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
 ROUTER_MAX_EXPERTS = 128  # one tile holds a token's logits (at 256, router_dx spills ~10 KB, offline sm_90)
 
 
-def _router_tiles(E: int) -> tuple[int, int]:
-    """(BE, BT): the expert tile (>= 16, a tl.dot operand) and tokens per program."""
+_ROUTER_BT = 64  # tokens per program of the router kernels
+
+
+def _router_be(E: int) -> int:
+    """The expert tile of the router kernels: E rounded up to a power of two, at least 16 (a tl.dot operand)."""
     if not 0 < E <= ROUTER_MAX_EXPERTS:
         raise ValueError(f"the router kernels take 1 to {ROUTER_MAX_EXPERTS} experts, got {E}")
-    return max(16, 1 << (E - 1).bit_length()), 64
+    return max(16, 1 << (E - 1).bit_length())
 
 
 def router_logits(x: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -136,7 +139,7 @@ def router_logits(x: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     T, D = x.shape
     E = w3.shape[1]
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    BE, BT = _router_tiles(E)
+    BE, BT = _router_be(E), _ROUTER_BT
     if T:
         _k().router_logits_kernel[(_cdiv(T, BT),)](x, w3, out, T, D, E, x.stride(0), BT=BT, BE=BE, BK=64,
                                                    SOFT=_soft(), num_warps=4)
@@ -150,7 +153,7 @@ def router_dx(dl: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     T, E = dl.shape
     D = w3.shape[2]
     dx = torch.empty(T, D, dtype=torch.bfloat16, device=dl.device)
-    BE, BT = _router_tiles(E)
+    BE, BT = _router_be(E), _ROUTER_BT
     if T and D:
         _k().router_dx_kernel[(_cdiv(T, BT), _cdiv(D, 64))](dl, w3, dx, T, D, E, dx.stride(0), BT=BT, BE=BE,
                                                            BD=64, SOFT=_soft(), num_warps=4)
@@ -163,7 +166,7 @@ def router_dw(dl: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dl, x = dl.contiguous(), _rows_last_contiguous(x)
     T, E = dl.shape
     D = x.shape[1]
-    BE, BT = _router_tiles(E)
+    BE, BT = _router_be(E), _ROUTER_BT
     BD = 64
     splits = max(1, min(_cdiv(T, 4 * BT), _cdiv(264, _cdiv(D, BD))))  # ~2 programs per SM, >= 4 steps each
     rows = _cdiv(_cdiv(max(T, 1), splits), BT) * BT
