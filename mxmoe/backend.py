@@ -71,6 +71,20 @@ def _sm90_gemm_choice() -> str:
     return choice
 
 
+# Device types whose autocast state torch can report (``torch.is_autocast_enabled`` raises for others, e.g.
+# ``meta``). A constant, not ``torch.amp.is_autocast_available``: torch 2.11's Dynamo cannot trace that
+# builtin, so calling it inside ``MoE.forward`` broke every compiled graph there (tests/test_compile.py).
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla")
+
+
+def autocast_dtype(device_type: str) -> "torch.dtype | None":
+    """The autocast dtype when autocast is on for ``device_type`` here, else None (also for device types
+    without autocast, e.g. ``meta``). Traceable by torch.compile."""
+    if device_type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 @dataclass(frozen=True)
 class Backend:
     """The kernels that serve tensors on one device (a value: compare, print, keep in autograd ctx).

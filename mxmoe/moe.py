@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mxmoe.backend import Backend, resolve
+from mxmoe.backend import Backend, autocast_dtype, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
 from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits, swiglu
@@ -210,9 +210,9 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]
         r = self.route(x2)  # on x's own values (FP32 under autocast's FP32 residual stream)
-        if (torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type)
-                and x2.dtype == torch.float32):
-            x2 = x2.to(torch.get_autocast_dtype(x.device.type))  # BF16 activations: the fused kernels apply
+        cast = autocast_dtype(x.device.type)
+        if cast is not None and x2.dtype == torch.float32:
+            x2 = x2.to(cast)  # BF16 activations: the fused kernels apply
         xp, offs, x_mx, state = self.permute(x2, r)  # [M, D]
         yp = self.experts_forward(xp, offs, x_mx, r.backend)  # [M, D]
         y = self.unpermute(yp, state, r)  # [T, D]

@@ -414,13 +414,21 @@ class ExpertParallelMoE(MoE):
                                 f"{what}_remote_bytes": remote * row_bytes})
 
     def permute(self, x2: torch.Tensor, r: Routing):
-        """Collective: exchange tokens so each rank holds its experts' rows (see :meth:`dispatch`)."""
+        """Collective: exchange tokens so each rank holds its experts' rows (see :meth:`dispatch`). A group of
+        one rank has nothing to exchange: it permutes as :class:`MoE` does (the same rows in the same order;
+        no host synchronization, so the layer traces as one graph under torch.compile)."""
+        if self.ep_size == 1:
+            self.comm_stats = dict.fromkeys(("dispatch_rows", "dispatch_bytes", "dispatch_remote_bytes",
+                                             "combine_rows", "combine_bytes", "combine_remote_bytes"), 0)
+            return super().permute(x2, r)
         plan = self.dispatch_plan(r.experts, r.counts)
         xp, x_mx = self.dispatch(x2, plan)  # [M, D]
         return xp, plan.offs, x_mx, plan
 
     def unpermute(self, yp: torch.Tensor, plan: DispatchPlan, r: Routing) -> torch.Tensor:
         """Collective: the reverse exchange (see :meth:`combine`), then each token's weighted sum."""
+        if not isinstance(plan, DispatchPlan):  # a group of one rank: MoE's own state (see permute)
+            return super().unpermute(yp, plan, r)
         T = r.weights.shape[0]
         ys = self.combine(yp, plan, T)  # [T*top_k, D], slot t*top_k + j
         return ops.combine(ys, torch.arange(ys.shape[0], device=ys.device), r.weights, validate=False,

@@ -231,7 +231,8 @@ def test_bad_inputs_give_clear_errors(monkeypatch):
 def test_sm90_routes_pick_kernels(route, monkeypatch):
     """Which kernel serves each product on an sm_90 GPU (capability and kernels stubbed on CPU):
     mixed takes our kernel for the M-grouped products (fprop, dgrad) and the BF16 expansion for
-    the K-grouped one (wgrad)."""
+    the K-grouped one (wgrad). An FP32 result is never the expansion's BF16 product: those calls take our
+    (FP32-summing) kernel on every route."""
     from types import SimpleNamespace
 
     calls = []
@@ -246,9 +247,11 @@ def test_sm90_routes_pick_kernels(route, monkeypatch):
                                                                                 block=block)
         dispatch.mx_grouped_mm_cuda(a, w.mT, offsets([32, 32]), torch.bfloat16, be)  # M-grouped
         dy, x = mxmoe.quantize(torch.randn(64, 32, generator=g), axis=0), mxmoe.quantize(a.dequantize(), axis=0)
-        dispatch.mx_grouped_mm_cuda(dy.mT, x, offsets([32, 32]), torch.float32, be)  # K-grouped
+        dispatch.mx_grouped_mm_cuda(dy.mT, x, offsets([32, 32]), torch.bfloat16, be)  # K-grouped
+        dispatch.mx_grouped_mm_cuda(a, w.mT, offsets([32, 32]), torch.float32, be)  # FP32 results
+        dispatch.mx_grouped_mm_cuda(dy.mT, x, offsets([32, 32]), torch.float32, be)
     m_kernel, k_kernel = {"bf16": ("bf16", "bf16"), "gluon": ("gluon_m", "gluon_k"), "mixed": ("gluon_m", "bf16")}[route]
-    assert calls == [m_kernel, k_kernel] * 2
+    assert calls == [m_kernel, k_kernel, "gluon_m", "gluon_k"] * 2
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_2d", "mxfp8_128"])

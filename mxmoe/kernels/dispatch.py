@@ -146,6 +146,8 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Bac
     where no kernel covers the case (the caller runs the reference).
 
     ``trusted``: the caller guarantees the offsets (wgrad: multiples of the scale group), so no host sync.
+    ``out_dtype=torch.float32`` is an FP32 product on every route: where the route is the expansion (BF16
+    ``torch._grouped_mm``, which writes BF16), that call runs on the promote-per-32 kernel instead.
     """
     route = be.gemm_route(b.dim() == 2, a.block, b.block)
     if route == "sm100":
@@ -155,7 +157,9 @@ def mx_grouped_mm_cuda(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Bac
     if route == "reference" or out_dtype not in (torch.bfloat16, torch.float32):
         return None
     if route == "expansion":
-        return bf16_grouped_mm(a, b, offs, out_dtype, be)
+        if out_dtype == torch.bfloat16:
+            return bf16_grouped_mm(a, b, offs, out_dtype, be)
+        route = "sm90"  # BF16 torch._grouped_mm writes BF16: an FP32 result comes from the FP32-summing kernel
     from mxmoe.formats import BLOCK
 
     wb = BLOCK if b.block == (BLOCK, BLOCK) else 1
@@ -267,9 +271,10 @@ def bf16_grouped_mm(a, b, offs: torch.Tensor, out_dtype: torch.dtype, be: Backen
     """``torch._grouped_mm`` of the BF16 values of ``a`` and ``b`` (MXTensors expanded by
     :func:`expand_bf16`, BF16 tensors as they are); it writes BF16 (torch 2.11 takes no other output
     dtype), cast to ``out_dtype`` afterwards (to FP32 by the layer's cast kernel) once the expansions
-    are freed (peak memory). So ``out_dtype=torch.float32`` gives the FP32-summed product rounded to
-    BF16, then widened: every element is a BF16 value, up to 2^-9 relative error against the exact
-    product, not FP32 accuracy (pinned by ``tests/test_out_dtype.py``)."""
+    are freed (peak memory). So ``out_dtype=torch.float32`` here is the FP32-summed product rounded to
+    BF16, then widened (every element a BF16 value, up to 2^-9 relative error): the layer's own wgrad on
+    the expansion route asks for that, as the BF16 recipes' wgrad is; :func:`mx_grouped_mm_cuda` never
+    returns it for an FP32 request."""
     return bf16_to(torch._grouped_mm(expand_bf16(a), expand_bf16(b), offs), out_dtype, be)
 
 

@@ -21,6 +21,12 @@ def reference_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, o
     """Plain per-group products, FP32 (or FP64) accumulate, one rounding to ``out_dtype``; rows/groups outside
     offs are zero. 16-bit operands are multiplied as FP32 copies of their values (what a BF16 tensor-core
     GEMM computes, up to summation order; also far faster than CPU BF16 matmuls without BF16 instructions)."""
+    if torch.compiler.is_compiling():  # one opaque node: the loop's group sizes are data (no graph break)
+        return torch.ops.mxmoe.reference_grouped_mm(a, b, offs, out_dtype)
+    return _reference_loop(a, b, offs, out_dtype)
+
+
+def _reference_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out_dtype) -> torch.Tensor:
     if a.dtype in (torch.bfloat16, torch.float16):
         a, b = a.float(), b.float()
     ends = offs.tolist()
@@ -38,6 +44,45 @@ def reference_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, o
     if not any(t > s for s, t in zip(starts, ends)):  # no rows: keep a and b in the graph (zero gradients)
         out = out + (a.flatten()[:0].sum() + b.flatten()[:0].sum()).to(out_dtype)
     return out
+
+
+@torch.library.custom_op("mxmoe::reference_grouped_mm", mutates_args=())
+def _reference_grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor,
+                             out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`reference_grouped_mm` as one custom op, what torch.compile traces (the per-group loop's sizes
+    are the offsets' values, which would break the graph); its own backward is two such products."""
+    return _reference_loop(a, b, offs, out_dtype)
+
+
+@_reference_grouped_mm_op.register_fake
+def _(a, b, offs, out_dtype):
+    shape = (a.shape[0], b.shape[2]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[1])
+    return a.new_empty(shape, dtype=out_dtype)
+
+
+def _reference_setup(ctx, inputs, output):
+    a, b, offs, _ = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _reference_backward(ctx, g):
+    a, b, offs = ctx.saved_tensors
+    op = torch.ops.mxmoe.reference_grouped_mm
+    da = db = None
+    if b.dim() == 3:  # out[s:t] = a[s:t] @ b[e]
+        if ctx.needs_input_grad[0]:
+            da = op(g, b.mT, offs, a.dtype)
+        if ctx.needs_input_grad[1]:
+            db = op(a.mT, g, offs, b.dtype)
+    else:  # out[e] = a[:, s:t] @ b[s:t]
+        if ctx.needs_input_grad[0]:
+            da = op(b, g.mT, offs, a.dtype).mT
+        if ctx.needs_input_grad[1]:
+            db = op(a.mT, g, offs, b.dtype)
+    return da, db, None, None
+
+
+_reference_grouped_mm_op.register_autograd(_reference_backward, setup_context=_reference_setup)
 
 
 def _check_grouped_operands(a, b, offs) -> None:
@@ -82,15 +127,13 @@ def grouped_mm(a: Operand, b: Operand, offs: torch.Tensor, out_dtype: torch.dtyp
 
     Operands are both plain float tensors (bf16/fp16/fp32) or both :class:`MXTensor` quantized
     along the contraction dim (``a.axis == 1``; ``b.axis`` = its K dim). MX products equal the
-    FP64 product of the dequantized operands up to FP32 summation order, rounded once to ``out_dtype``
-    (the CPU reference, our Hopper kernels, sm_100) -- except on Hopper's expansion route (1x32 / 32x32
-    operands on sm_90 with ``MXMOE_SM90_GEMM`` unset, ``auto`` or ``bf16``, the default; and the 2D x 2D
-    form under ``mixed``): there the operands are expanded exactly to BF16 and multiplied by BF16
-    ``torch._grouped_mm``, which sums in FP32 but writes BF16, so ``out_dtype=torch.float32`` returns that
-    BF16-rounded product cast to FP32 (every element a BF16 value, up to 2^-9 relative error against the
-    exact product; not FP32 accuracy). The layer's MX weight gradients come from this form, so on that
-    route they reach FP32 parameters BF16-rounded (``tests/test_out_dtype.py``). ``mxfp8_128`` operands
-    take the promote-per-128 kernel, which writes FP32.
+    FP64 product of the dequantized operands up to FP32 summation order, rounded once to ``out_dtype``, on
+    every route (the CPU reference, our Hopper kernels, sm_100). On Hopper's expansion route (1x32 / 32x32
+    operands on sm_90 with ``MXMOE_SM90_GEMM`` unset, ``auto`` or ``bf16``, the default; the 2D x 2D form
+    under ``mixed``) the operands are expanded exactly to BF16 and multiplied by BF16 ``torch._grouped_mm``,
+    which writes BF16: so an ``out_dtype=torch.float32`` call there runs on the promote-per-32 kernel
+    instead, which sums and writes FP32 (``tests/test_out_dtype.py``: within 1e-4 of the FP64 product on
+    every route). ``mxfp8_128`` operands take the promote-per-128 kernel, which writes FP32.
 
     Args:
         out_dtype: result dtype; default ``a.dtype`` for plain tensors, ``bfloat16`` for MX.

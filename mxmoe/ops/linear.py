@@ -190,7 +190,10 @@ class _MXGroupedLinear(torch.autograd.Function):
             if recipe.wgrad_mxfp8:
                 if dyq_t is None:
                     dyq_t = quantize(_pad_rows(dy, g), 0, rule, g, backend=be).mT  # [N, M] along tokens
-                if ctx.expansion:  # torch._grouped_mm writes BF16: cast once its operands are freed (peak memory)
+                # the expansion route's torch._grouped_mm writes BF16: dW is that BF16 product (as the bf16
+                # recipe's), cast once its operands are freed (peak memory)
+                if ctx.expansion or (is_mx(x_saved) and be.gemm_route(True, dyq_t.block, x_saved.block) == "expansion"):
+                    from mxmoe.kernels import dispatch
                     dw = _product(dyq_t, x_saved, offs, torch.bfloat16, be)
                     dyq_t = None
                     dw = dispatch.bf16_to(dw, ctx.w_dtype, be)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from mxmoe.backend import Backend, resolve
+from mxmoe.backend import AUTOCAST_DEVICE_TYPES, Backend, resolve
 from mxmoe.kernels.dispatch import layer_ops_for
 
 
@@ -73,7 +73,7 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, backend: Backend | None = No
     if (ops is not None and x.dtype == torch.bfloat16 and 0 < w.shape[0] <= ROUTER_MAX_EXPERTS
             and w.dtype in (torch.float32, torch.bfloat16)):
         return _RouterLogits.apply(x, w, be)
-    if not torch.amp.is_autocast_available(x.device.type):  # e.g. meta tensors (shape tracing)
+    if x.device.type not in AUTOCAST_DEVICE_TYPES:  # e.g. meta tensors (shape tracing)
         return F.linear(x.float(), w.float())
     with torch.autocast(x.device.type, enabled=False):
         return F.linear(x.float(), w.float())
