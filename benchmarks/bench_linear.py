@@ -1,9 +1,9 @@
-"""One expert linear layer, forward + backward with quantization included, against its peers, same run.
+"""Linear suite: one expert linear layer, forward + backward with quantization included, against its peers.
 
-    python benchmarks/bench_linear_peers.py [--out benchmarks/results/h200/linear_peers.json] [--quick]
+    python -m benchmarks linear [--quick] [--out benchmarks/results/<gpu>/linear.json]
 
 The step timed: ``y = linear(x, w, offs)`` then ``dx, dw = autograd.grad(y, (x, w), dy)``, x ``[M, K]``
-and w ``[E, N, K]`` BF16, rows grouped by expert (DESIGN §5 shapes; up: N = 2 x FFN, K = hidden; down:
+and w ``[E, N, K]`` BF16, rows grouped by expert (DESIGN §5 shapes, ``benchmarks.common.SHAPES``; up: N = 2 x FFN, K = hidden; down:
 N = hidden, K = FFN; balanced and skewed token counts in multiples of 128, so every method takes them
 unpadded). Methods:
 
@@ -22,21 +22,12 @@ method's (a check that each method ran the same product, not a numerics figure).
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+from benchmarks import common as C
+from mxmoe.ops import grouped_linear
 
-import bench_grouped_gemm as B  # noqa: E402
-from mxmoe.ops import grouped_linear  # noqa: E402
-
-SHAPES = B.SHAPES
+SUITE = "linear"
 DEV = "cuda"
 
 
@@ -65,15 +56,13 @@ def methods():
 
 
 def time_step(f, x, w, offs, dy, quick: bool) -> dict:
-    import triton.testing as tt
-
     def step():
         y = f(x, w, offs)
         return torch.autograd.grad(y, (x, w), dy)
 
     step()
     torch.cuda.synchronize()
-    out = {"eager_ms": tt.do_bench(step, warmup=10 if quick else 25, rep=30 if quick else 100)}
+    out = {"eager_ms": C.bench_ms(step, quick)}
     try:  # warm-up on a side stream, then one capture (torch.cuda.graphs' recipe)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -84,7 +73,7 @@ def time_step(f, x, w, offs, dy, quick: bool) -> dict:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step()
-        out["graph_ms"] = tt.do_bench(g.replay, warmup=10 if quick else 25, rep=30 if quick else 100)
+        out["graph_ms"] = C.bench_ms(g.replay, quick)
     except Exception as e:  # noqa: BLE001  (a method that cannot be captured: say why)
         out["graph_ms"] = None
         out["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -93,9 +82,9 @@ def time_step(f, x, w, offs, dy, quick: bool) -> dict:
 
 
 def run_case(shape, proj, balance, quick, gen, ms):
-    E, M, hidden, ffn = SHAPES[shape]
-    N, K = (2 * ffn, hidden) if proj == "up" else (hidden, ffn)
-    counts = B.token_counts(M, E, balance, gen, unit=128)
+    s = C.SHAPES[shape]
+    E, M, (N, K) = s.experts, s.rows, s.proj(proj)
+    counts = C.token_counts(M, E, balance, gen, unit=128)
     offs = torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32)
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(E, N, K, device=DEV, dtype=torch.bfloat16) * K ** -0.5).requires_grad_()
@@ -138,34 +127,34 @@ def print_row(row):
     print(f"{row['shape']:14s} {row['proj']:4s} {row['balance']:8s} " + " | ".join(parts), flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results/h200/linear_peers.json"))
-    ap.add_argument("--quick", action="store_true", help="fewer timing repetitions")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--projs", default="up,down")
-    ap.add_argument("--balances", default="balanced,skewed")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_linear_peers needs a CUDA GPU")
-    import triton
+def build_parser():
+    ap = C.parser(SUITE, __doc__)
+    ap.add_argument("--shapes", default=None, help="comma-separated names of benchmarks.common.SHAPES (default all)")
+    ap.add_argument("--projs", default=None, help="default up,down (--quick: up)")
+    ap.add_argument("--balances", default=None, help="default balanced,skewed (--quick: balanced)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    shapes = C.shape_list(args.shapes, args.quick)
+    projs = (args.projs or ("up" if args.quick else "up,down")).split(",")
+    balances = (args.balances or ("balanced" if args.quick else "balanced,skewed")).split(",")
+    C.require_cuda(SUITE)
+    out = args.out or C.default_out(SUITE)
     ms, notes = methods()
-    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "torch": torch.__version__, "triton": triton.__version__, "notes": notes,
-            "timing": "step = forward + autograd.grad of x and w; eager: do_bench median; graph: CUDA-graph replay",
-            "methods": list(ms)}
-    print(meta, flush=True)
+    head = C.header(SUITE, args.quick, notes=notes, methods=list(ms),
+                    timing="step = forward + autograd.grad of x and w; eager: do_bench median; graph: CUDA-graph "
+                           "replay (do_bench median)")
     gen = torch.Generator().manual_seed(0)
     rows = []
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for shape in args.shapes.split(","):
-        for proj in args.projs.split(","):
-            for bal in args.balances.split(","):
+    for shape in shapes:
+        for proj in projs:
+            for bal in balances:
                 rows.append(run_case(shape, proj, bal, args.quick, gen, ms))
                 print_row(rows[-1])
                 torch.cuda.empty_cache()
-                with open(args.out, "w") as f:  # after every case: a run cut short keeps what it measured
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                C.write_result(out, head, rows)  # after every case: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":
