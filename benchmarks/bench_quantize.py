@@ -492,8 +492,7 @@ def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> N
 
     import triton
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from offline_sm90 import install_compile_only, ptxas_and_sass
+    from benchmarks.tools.offline_sm90 import install_compile_only, ptxas_and_sass
 
     compiled = install_compile_only()
     check_inputs = Q._check

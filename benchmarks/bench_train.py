@@ -9,10 +9,11 @@ recipe), by default with 8 micro-batches per optimizer step (131,072 tokens, 40 
 ``ms_per_step``, ``tokens_per_step``, ``peak_mem_gib``, ``vs_bf16`` (mxmoe.train.throughput_rows) and the run's
 ``grad_accum`` / ``compile``. ``--quick``: bf16 and mxfp8_128, 12 steps of one micro-batch.
 
-Convergence (the ``gpu`` preset, 2000 steps per recipe and seed, one device call each: ``mxmoe train --preset gpu
---recipes R --seed N``) is not rerun here; rows of ``kind: "convergence"`` already in the output file (final
-train / validation loss per recipe and seed) are carried over unchanged, their sources in the header's
-``carried_over``.
+Convergence (the ``gpu`` preset, 2000 steps per recipe and seed, one device call each:
+``benchmarks/run_device_convergence.sh``) is not rerun by a throughput run: rows of ``kind: "convergence"`` already
+in the output file (final train / validation loss per recipe and seed) are carried over unchanged, their sources
+in the header's ``carried_over``. ``--convergence METRICS.json...`` (no GPU needed) replaces those rows with the
+given runs' (``mxmoe.train.compare_runs``) and keeps the throughput rows and header.
 """
 
 from __future__ import annotations
@@ -36,7 +37,36 @@ def build_parser():
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40, --quick 12)")
     ap.add_argument("--compile", default="auto", help="mxmoe train --compile (default auto: inductor-cudagraphs)")
     ap.add_argument("--run-dir", default=None, help="mxmoe train's --out (default a temporary folder)")
+    ap.add_argument("--convergence", nargs="+", default=None, metavar="METRICS",
+                    help="no run: put these gpu-preset runs' metrics (train_gpu_<recipe>_seed<N>.json) into --out "
+                         "as its convergence rows")
     return ap
+
+
+def convergence_rows(paths: list[str]) -> list[dict]:
+    """Rows of ``kind: "convergence"``, one per recipe and seed of the runs' metrics files."""
+    from mxmoe.train import compare_runs
+
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    cfg = runs[0]["config"]
+    preset = "gpu" if cfg.get("steps") == 2000 and cfg.get("dim") == 640 else "custom"
+    rows = []
+    for recipe, v in compare_runs(runs).items():
+        for seed in v["seeds"]:
+            rows.append({"kind": "convergence", "recipe": recipe, "seed": seed, "val_loss": v["val"][seed],
+                         "train_loss": v["train"][seed], "gap_pct": v.get("gap_pct", {}).get(seed),
+                         "val_minus_train_pct": v["val_minus_train_pct"][seed], "preset": preset,
+                         "compile": runs[0]["recipes"][next(iter(runs[0]["recipes"]))].get("compile")})
+    return rows
+
+
+def add_convergence(out: Path, paths: list[str]) -> None:
+    """Replace the convergence rows of ``out`` (kept: its header and throughput rows) with ``paths``' runs."""
+    doc = json.loads(out.read_text()) if out.exists() else {"header": C.header(SUITE, False), "rows": []}
+    rows = [r for r in doc["rows"] if r.get("kind") != "convergence"] + convergence_rows(paths)
+    doc["header"]["convergence_from"] = [str(p) for p in paths]
+    C.write_result(out, doc["header"], rows)
+    print(f"{out}: {len(rows)} rows, convergence from {len(paths)} runs")
 
 
 def train_command(args, run_dir: str) -> list[str]:
@@ -62,6 +92,8 @@ def carried_convergence(out: Path) -> tuple[list[dict], list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.convergence:
+        return add_convergence(Path(args.out or C.default_out(SUITE)), args.convergence)
     C.require_cuda(SUITE)
     from mxmoe.train import throughput_rows
 
