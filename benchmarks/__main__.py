@@ -26,10 +26,10 @@ import traceback
 # two shapes added since (dsv3-16b, dsv3-671b-ep8); a fresh machine compiles every kernel first (+20-40 s).
 SUITES = {
     "quantize": ("quantization kernels, TB/s against a device copy (1x32 and 1x128 families)", 150, 30),
-    "gemm": ("grouped GEMMs (mxfp8_128) vs BF16 / FP8 rowwise / cuBLAS block-scaled loop, CUDA-graph timing", 200, 30),
+    "gemm": ("grouped GEMMs (mxfp8_128) vs BF16 / FP8 rowwise / cuBLAS block-scaled loop, CUDA-graph timing", 300, 30),
     "linear": ("one expert linear fwd+bwd, quantization included, vs bf16 and torchao FP8 rowwise", 420, 40),
-    "layer": ("MoE layer fwd+bwd, MX recipes vs bf16, CUDA graphs and eager, memory", 200, 45),
-    "train": ("mxmoe train gpu-throughput preset, tokens/s and MFU per recipe", 200, 60),
+    "layer": ("MoE layer fwd+bwd, MX recipes vs bf16, CUDA graphs and eager, memory", 240, 45),
+    "train": ("mxmoe train gpu-throughput preset, tokens/s and MFU per recipe", 220, 50),
     "torchtitan": ("torchtitan's training entry point with mxmoe's experts vs its own", 480, 120),
 }
 DEVICE_BUDGET_S = 540  # of a device call's 600 s: the rest for the machine's start and copying results

@@ -7,7 +7,8 @@ process (2 layers, dim 2048, 8 experts top-2, expert FFN 4096; MFU against the H
 recipe), by default with 8 micro-batches per optimizer step (131,072 tokens, 40 steps: the optimizer paid once per
 8 micro-batches, as at scale). Rows (``kind: "throughput"``): ``recipe``, ``tokens_per_s``, ``mfu``,
 ``ms_per_step``, ``tokens_per_step``, ``peak_mem_gib``, ``vs_bf16`` (mxmoe.train.throughput_rows) and the run's
-``grad_accum`` / ``compile``. ``--quick``: bf16 and mxfp8_128, 12 steps of one micro-batch.
+``grad_accum`` / ``compile``. ``--quick``: bf16 and mxfp8_128, 12 eager steps of one micro-batch (a smoke test of
+the suite: no compile, so its tokens/s are not the job's).
 
 Convergence (the ``gpu`` preset, 2000 steps per recipe and seed, one device call each:
 ``benchmarks/run_device_convergence.sh``) is not rerun by a throughput run: rows of ``kind: "convergence"`` already
@@ -35,7 +36,8 @@ def build_parser():
     ap.add_argument("--recipes", default=None, help="default bf16,mxfp8,mxfp8_128 (--quick: bf16,mxfp8_128)")
     ap.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 8, --quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40, --quick 12)")
-    ap.add_argument("--compile", default="auto", help="mxmoe train --compile (default auto: inductor-cudagraphs)")
+    ap.add_argument("--compile", default=None,
+                    help="mxmoe train --compile (default auto: inductor-cudagraphs; --quick: none, eager)")
     ap.add_argument("--run-dir", default=None, help="mxmoe train's --out (default a temporary folder)")
     ap.add_argument("--convergence", nargs="+", default=None, metavar="METRICS",
                     help="no run: put these gpu-preset runs' metrics (train_gpu_<recipe>_seed<N>.json) into --out "
@@ -77,7 +79,8 @@ def train_command(args, run_dir: str) -> list[str]:
     warmup = max(2, steps // 10)
     return [sys.executable, "-m", "mxmoe", "train", "--preset", "gpu-throughput", "--device", "cuda",
             "--recipes", recipes, "--grad-accum", str(accum), "--steps", str(steps), "--warmup", str(warmup),
-            "--eval-every", str(steps), "--compile", args.compile, "--out", run_dir]
+            "--eval-every", str(steps), "--compile", args.compile or ("none" if args.quick else "auto"),
+            "--out", run_dir]
 
 
 def carried_convergence(out: Path) -> tuple[list[dict], list[str]]:

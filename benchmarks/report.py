@@ -186,7 +186,7 @@ def train_section(rows: list[dict]) -> list[str]:
 def torchtitan_section(rows: list[dict]) -> list[str]:
     head = ["model", "method", "tokens/s", "vs bf16", "MFU", "peak GiB", "final loss", "expert share",
             "layer ratio", "ideal speed-up"]
-    ref = {r["model"]: r["tokens_per_s"] for r in rows if r.get("method") == "bf16"}
+    ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
     body = [[str(r.get("model")), str(r.get("method")), fmt(r.get("tokens_per_s"), 0),
              fmt(ratio(r.get("tokens_per_s"), ref.get(r.get("model"))), 2, "x"), pct(r.get("mfu"), 1),
              fmt(r.get("peak_gib"), 1), fmt((r.get("loss") or [None])[-1], 3), pct(r.get("expert_share")),
@@ -313,8 +313,8 @@ def plot_train(rows, path):
 
 
 def plot_torchtitan(rows, path):
-    ref = {r["model"]: r["tokens_per_s"] for r in rows if r.get("method") == "bf16"}
-    labels = [f"{r['model']} {r['method']}" for r in rows]
+    ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
+    labels = [f"{r.get('model')} {r.get('method')}" for r in rows]
     _bars(path, "torchtitan: tokens/s over bf16's", labels,
           {"x bf16": [ratio(r.get("tokens_per_s"), ref.get(r.get("model"))) for r in rows]}, "x bf16")
 
