@@ -3,9 +3,9 @@
     python -m benchmarks linear [--quick] [--out benchmarks/results/<gpu>/linear.json]
 
 The step timed: ``y = linear(x, w, offs)`` then ``dx, dw = autograd.grad(y, (x, w), dy)``, x ``[M, K]``
-and w ``[E, N, K]`` BF16, rows grouped by expert (DESIGN §5 shapes, ``benchmarks.common.SHAPES``; up: N = 2 x FFN, K = hidden; down:
-N = hidden, K = FFN; balanced and skewed token counts in multiples of 128, so every method takes them
-unpadded). Methods:
+and w ``[E, N, K]`` BF16, rows grouped by expert (DESIGN §5 shapes, ``benchmarks.common.SHAPES``; up:
+N = 2 x FFN, K = hidden; down: N = hidden, K = FFN; balanced and skewed token counts in multiples of 128,
+so every method takes them unpadded; --quick: dsv3-ep32 up, balanced). Methods:
 
     bf16          mxmoe.ops.grouped_linear(recipe="bf16"): torch._grouped_mm fprop / dgrad / wgrad
     mxfp8_128     mxmoe.ops.grouped_linear(recipe="mxfp8_128"): our Hopper-fast MXFP8 (1x128 / 128x128)

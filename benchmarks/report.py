@@ -130,6 +130,14 @@ def linear_section(rows: list[dict]) -> list[str]:
             "faster.", ""] + table(head, body)
 
 
+def layer_cells(r: dict) -> list[str]:
+    route = "" if r.get("route", "auto") == "auto" else f" ({r['route']})"
+    mem = [ratio(r.get("saved_for_bwd_gib"), r.get("bf16_saved_for_bwd_gib")),
+           ratio(r.get("peak_mem_gib"), r.get("bf16_peak_mem_gib"))]
+    return [r["shape"], r["balance"], r["recipe"] + route, str(r.get("run", "")), fmt(r["ms"]), fmt(r.get("bf16_ms")),
+            fmt(ratio(r.get("bf16_ms"), r["ms"]), 2, "x"), pct(r.get("quant_share"))] + [fmt(m, 2, "x") for m in mem]
+
+
 def layer_section(rows: list[dict]) -> list[str]:
     out = ["MoE layer forward + backward, 16384 tokens; `vs bf16`: our bf16 recipe's ms over the row's, same run "
            "and timing. Saved for backward and peak memory (eager only) against bf16's.", ""]
@@ -139,12 +147,8 @@ def layer_section(rows: list[dict]) -> list[str]:
         sel = [r for r in rows if r.get("timing", "eager") == timing]
         if not sel:
             continue
-        body = [[r["shape"], r["balance"], r["recipe"] + ("" if r.get("route", "auto") == "auto" else f" ({r['route']})"),
-                 str(r.get("run", "")), fmt(r["ms"]), fmt(r.get("bf16_ms")), fmt(ratio(r.get("bf16_ms"), r["ms"]), 2, "x"),
-                 pct(r.get("quant_share")), fmt(ratio(r.get("saved_for_bwd_gib"), r.get("bf16_saved_for_bwd_gib")), 2, "x"),
-                 fmt(ratio(r.get("peak_mem_gib"), r.get("bf16_peak_mem_gib")), 2, "x")]
-                for r in sorted(sel, key=lambda r: (r.get("run", 0), shape_key(r["shape"]), r["balance"] != "balanced",
-                                                    r["recipe"]))]
+        body = [layer_cells(r) for r in sorted(sel, key=lambda r: (r.get("run", 0), shape_key(r["shape"]),
+                                                                  r["balance"] != "balanced", r["recipe"]))]
         out += [f"Timing `{timing}`" + (" (torch.compile's cudagraphs backend: kernels replayed, as `mxmoe train "
                                         "--compile cudagraphs` runs the layer)" if timing == "cudagraphs" else
                                         " (every kernel launched from Python)" if timing == "eager" else "") + ":", ""]
