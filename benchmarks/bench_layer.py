@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                         res[r, route] = run_case(name, r, bal == "skewed", args.tokens, iters, "cuda", backend)
                 bf16, loop = res.get(("bf16", "auto"), {}), res.get(("loop", "auto"), {})
                 for (r, route), v in res.items():
-                    if r == "loop":
+                    if r in ("bf16", "loop"):  # the references: in every row as bf16_* / loop_ms
                         continue
                     row = {"shape": name, "recipe": r, "balance": bal, "timing": timing, "route": route,
                            "tokens": args.tokens, **v, "bf16_ms": bf16.get("ms"), "loop_ms": loop.get("ms"),
