@@ -1,6 +1,6 @@
-"""Bandwidth of the MXFP8 quantization kernels against a device-to-device copy, same run, same GPU.
+"""Quantize suite: bandwidth of the MXFP8 quantization kernels against a device-to-device copy, same run, same GPU.
 
-    PYTHONPATH=. python3 benchmarks/bench_quantize.py [--out benchmarks/results/h200/quantize.json] [--sweep]
+    python -m benchmarks quantize [--quick] [--out benchmarks/results/<gpu>/quantize.json] [--groups 32,128] [--sweep]
 
 Effective bandwidth = (bytes read + bytes written, scales included) / median time
 (``triton.testing.do_bench``, warm-up first). ``copy_tbps`` is a device-to-device copy moving the
@@ -21,18 +21,16 @@ thread). ``--ceiling`` times the data movement of the transposing kernels withou
 kernel that stores each BF16 element's high byte transposed (``ceiling_columnwise``), or transposed
 and in place (``ceiling_dual``), best of a few tiles, and torch's transposing cast to E4M3
 (``torch_transpose_cast``): what a kernel of this tile design can reach at best.
-``--groups128`` times the kernels of the Hopper-fast recipe instead (DESIGN §9, 1x128 / 128x1 groups and
-128x128 tiles, ``*_128`` rows; default output ``quantize_128.json``), beside the 1x32 kernels they replace
-(rowwise, dual, 32x32 weights) and the same device copy; with ``--sweep`` the Gluon tiles that hold whole
-groups and a few Triton tiles of the row kernels.
-
-    PYTHONPATH=. python3 benchmarks/bench_quantize.py --groups128 [--sweep] [--cudagraph]
+``--groups 128`` (or ``--groups128``) times only the kernels of the Hopper-fast recipe (DESIGN §9, 1x128 / 128x1
+groups and 128x128 tiles, ``*_128`` rows), beside the 1x32 kernels they replace (rowwise, dual, 32x32 weights);
+the default ``--groups 32,128`` times both families in one run; with ``--sweep`` and 128 the Gluon tiles that
+hold whole groups and a few Triton tiles of the row kernels. Rows carry ``timing`` (do_bench or cudagraph).
+``--quick``: one activation and one weight shape, no pure-torch reference, shorter timings.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -41,8 +39,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script (tests do)
 
+from benchmarks import common as C  # noqa: E402
 from mxmoe.formats import quantize  # noqa: E402
 from mxmoe.kernels import layer as layer_kernels  # noqa: E402
 from mxmoe.kernels import quantize as Q  # noqa: E402
@@ -77,6 +76,7 @@ GLUON_SWEEP_RS = (32, 16)  # rows per thread in the column layout, each tile of 
 
 DEV = "cuda"
 CUDAGRAPH = False  # --cudagraph
+QUICK = False  # --quick: shorter timings
 
 
 def bench_ms(fn, graph: bool | None = None) -> float:
@@ -89,11 +89,7 @@ def bench_ms(fn, graph: bool | None = None) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    import triton.testing
-
-    if CUDAGRAPH if graph is None else graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return C.bench_ms(fn, QUICK, graph=CUDAGRAPH if graph is None else graph)
 
 
 _copy_cache: dict[int, float] = {}
@@ -349,6 +345,13 @@ def check(name: str, x: torch.Tensor, out) -> None:
             raise AssertionError(f"{name}: output differs from the reference")
 
 
+def cases_all(x: torch.Tensor, is_weight: bool):
+    """Both families in one run: the 1x32 kernels, then the 1x128 / 128x128 ones (without cases128's repeats)."""
+    first = cases(x, is_weight)
+    names = {n for n, _, _ in first}
+    return first + [c for c in cases128(x, is_weight) if c[0] not in names]
+
+
 def torchao_fn(x: torch.Tensor):
     """torchao's MXFP8 cast (rowwise), or None with the reason."""
     try:
@@ -489,8 +492,7 @@ def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> N
 
     import triton
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from offline_sm90 import install_compile_only, ptxas_and_sass
+    from benchmarks.tools.offline_sm90 import install_compile_only, ptxas_and_sass
 
     compiled = install_compile_only()
     check_inputs = Q._check
@@ -529,12 +531,11 @@ def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> N
                       indent=1)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="default benchmarks/results/h200/quantize.json "
-                    "(--groups128: quantize_128.json)")
-    ap.add_argument("--groups128", action="store_true",
-                    help="time the 1x128 / 128x128 kernels (DESIGN §9) beside the 1x32 ones they replace")
+def build_parser() -> argparse.ArgumentParser:
+    ap = C.parser("quantize", __doc__)
+    ap.add_argument("--groups", default="32,128", choices=("32", "128", "32,128"),
+                    help="kernel families: 32 (1x32 / 32x32), 128 (1x128 / 128x128, DESIGN §9), or both (default)")
+    ap.add_argument("--groups128", action="store_true", help="the same as --groups 128")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs")
     ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-torch reference")
     ap.add_argument("--qdq", action="store_true",
@@ -552,19 +553,29 @@ def main():
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks this script, times nothing)")
     ap.add_argument("--offline-sm90", action="store_true",
                     help="no GPU: compile every case's kernel for sm_90 and print registers / spills (--out: JSON)")
-    args = ap.parse_args()
-    global DEV, ACTS, WEIGHTS, CUDAGRAPH
-    case_list = cases128 if args.groups128 else cases
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    global DEV, ACTS, WEIGHTS, CUDAGRAPH, QUICK
+    if args.groups128:
+        args.groups = "128"
+    args.groups128 = args.groups == "128"  # the 1x128 kernels only (their own sweep, reference and peers)
+    case_list = {"32": cases, "128": cases128, "32,128": cases_all}[args.groups]
     if args.offline_sm90:
         DEV = "cpu"
         return offline_sm90(case_list, [((4096, 4096), False), ((4, 1024, 2048), True)], args.out,
                             set(filter(None, args.kernels.split(","))))
+    if not args.dry_run:
+        C.require_cuda("quantize")
     if args.out is None:
-        args.out = f"benchmarks/results/h200/quantize{'_128' if args.groups128 else ''}.json"
-    CUDAGRAPH = args.cudagraph
+        args.out = C.default_out("quantize")
+    CUDAGRAPH, QUICK = args.cudagraph, args.quick
+    if args.quick:
+        ACTS, WEIGHTS, args.no_reference = [(16384, 5120)], [(128, 1536, 2048)], True
     if args.dry_run:
         DEV, ACTS, WEIGHTS = "cpu", [(256, 512)], [(2, 128, 256)]
-    import triton
 
     only = set(filter(None, args.kernels.split(",")))
     t_start = time.time()
@@ -580,17 +591,14 @@ def main():
         print(f"precompiled in {time.time() - t_start:.1f} s", flush=True)
         if args.precompile_only:
             return
-    meta = {
-        "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "dtype": "bfloat16",
-        "timing": ("triton.testing.do_bench_cudagraph median, rep 100 ms" if CUDAGRAPH
-                   else "triton.testing.do_bench median, warmup 25 ms, rep 100 ms"),
-        "bytes": "input read + data and scales written",
-        "tuned": {k: cfg_name(v) for k, v in Q._TUNED.items()},
-    }
+    meta = C.header(
+        "quantize", args.quick,
+        dtype="bfloat16", groups=args.groups,
+        timing=("triton.testing.do_bench_cudagraph median" if CUDAGRAPH else "triton.testing.do_bench median")
+        + (", rep 30 ms" if QUICK else ", rep 100 ms"),
+        bytes="input read + data and scales written",
+        tuned={k: cfg_name(v) for k, v in Q._TUNED.items()},
+    )
     rows = []
     notes = []
 
@@ -599,7 +607,7 @@ def main():
         tb = total_bytes / ms / 1e9
         row = {"kernel": kernel, "shape": "x".join(map(str, shape)), "config": config, "key": key, "bytes": total_bytes,
                "ms": round(ms, 5), "tbps": round(tb, 4), "copy_tbps": round(cp, 4), "ratio": round(tb / cp, 4),
-               "gpu": meta["gpu"]}
+               "timing": "cudagraph" if CUDAGRAPH else "do_bench"}
         if extra:
             row.update(extra)
         rows.append(row)
@@ -609,9 +617,7 @@ def main():
     def write_json():
         meta["notes"] = notes
         meta["wall_s"] = round(time.time() - t_start, 1)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        C.write_result(args.out, meta, rows)
 
     shapes = [(s, False) for s in ACTS] + [(s, True) for s in WEIGHTS]
     for shape, is_weight in shapes:

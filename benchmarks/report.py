@@ -1,0 +1,359 @@
+"""Render ``benchmarks/RESULTS.md`` (and its plots) from the suites' result files; never edit it by hand.
+
+    python -m benchmarks report            # write benchmarks/RESULTS.md and results/<gpu>/<suite>.png
+    python -m benchmarks report --check    # exit status 1 if RESULTS.md differs from what the files give
+
+Reads every ``benchmarks/results/<gpu>/<suite>.json`` of the suites of ``benchmarks.__main__.SUITES`` (files with
+a ``header`` and ``rows``); one section per suite and GPU folder: the header's GPU, date, versions and commit, a
+table of ours against the peers measured in the same run, and a link to the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from benchmarks import common as C
+
+OUT_MD = C.REPO / "benchmarks" / "RESULTS.md"
+ORDER = ("quantize", "gemm", "linear", "layer", "train", "torchtitan")
+SHAPE_ORDER = {name: i for i, name in enumerate(C.SHAPES)}
+
+
+def fmt(v, nd: int = 2, suffix: str = "") -> str:
+    """A number with ``nd`` decimals (thousands separated when nd is 0), '–' for None or NaN."""
+    if v is None or (isinstance(v, float) and v != v):
+        return "–"
+    return f"{v:,.0f}{suffix}" if nd == 0 else f"{v:.{nd}f}{suffix}"
+
+
+def pct(v, nd: int = 0) -> str:
+    return "–" if v is None else f"{100 * v:.{nd}f}%"
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"] + [
+        "| " + " | ".join(r) + " |" for r in rows]
+
+
+def shape_key(name: str):
+    return SHAPE_ORDER.get(name, len(SHAPE_ORDER)), name
+
+
+def header_lines(h: dict) -> list[str]:
+    """Where and with what a file's rows were measured."""
+    peers = ", ".join(f"{k} {v}" for k, v in sorted((h.get("peers") or {}).items())) or "none importable"
+    git = h.get("git") or {}
+    commit = git.get("commit") or "unknown"
+    if git.get("dirty"):
+        commit += " (uncommitted changes)"
+    out = [f"{h.get('gpu') or 'no GPU'}, driver {h.get('driver') or '?'}, CUDA {h.get('cuda') or '?'}, torch "
+           f"{h.get('torch')}, Triton {h.get('triton')}; peers: {peers}; {h.get('date')}; mxmoe commit {commit}"
+           + ("; --quick run" if h.get("quick") else "") + "."]
+    if h.get("converted_from"):
+        out.append("Converted from earlier result files (run numbers below index them): " + "; ".join(
+            f"{i}: `{r['source']}` ({r.get('date', '?')})" for i, r in enumerate(h.get("runs", []))) + ".")
+    for n in h.get("notes") or []:
+        out.append(f"Note: {n}.")
+    return out
+
+
+# --- per-suite tables -------------------------------------------------------------------------------------------
+
+def quantize_section(rows: list[dict]) -> list[str]:
+    shapes, cols, cells, kernels = [], [], {}, []
+    for r in rows:
+        if r["shape"] not in shapes:
+            shapes.append(r["shape"])
+    for timing in ("do_bench", "cudagraph"):
+        cols += [(timing, s) for s in shapes if any(r["shape"] == s and r.get("timing", "do_bench") == timing
+                                                   for r in rows)]
+    for r in rows:
+        key = (r["kernel"], r.get("timing", "do_bench"), r["shape"])
+        if key in cells:  # the first run's figure (converted files may hold a kernel twice)
+            continue
+        cells[key] = f"{r['tbps']:.2f} ({100 * r['ratio']:.0f}%)"
+        if r["kernel"] not in kernels:
+            kernels.append(r["kernel"])
+    head = ["kernel"] + [s + (", CUDA graph" if t == "cudagraph" else "") for t, s in cols]
+    body = [[k] + [cells.get((k, t, s), "") for t, s in cols] for k in kernels]
+    return ["TB/s (bytes read + written, scales included) and % of a device-to-device copy of the same bytes "
+            "timed in the same run; `do_bench` columns unless marked CUDA graph (replays: no host time, no L2 "
+            "flush). `ceiling_*`: the data movement alone; `torch_*` / `torchao_*`: peers.", ""] + table(head, body)
+
+
+def gemm_section(rows: list[dict]) -> list[str]:
+    head = ["shape", "proj", "balance", "pass", "recipe (weights)", "timing", "ours TFLOP/s", "BF16", "FP8 rowwise",
+            "cuBLAS block loop", "BF16 expansion", "vs BF16", "vs cuBLAS loop", "rel. error"]
+    body = []
+    for r in sorted(rows, key=lambda r: (r.get("run", 0), shape_key(r["shape"]), r["proj"] != "up",
+                                         r["balance"] != "balanced", ("fprop", "dgrad", "wgrad").index(r["pass"]),
+                                         r.get("weights", ""))):
+        if "error" in r:
+            body.append([r["shape"], r["proj"], r["balance"], r["pass"], r["recipe"], "", "error: " + r["error"][:80]]
+                        + [""] * 7)
+            continue
+        body.append([r["shape"], r["proj"], r["balance"], r["pass"], f"{r['recipe']} ({r.get('weights', '')})",
+                     r.get("timing", ""), fmt(r["tflops"], 0), fmt(r.get("bf16_tflops"), 0),
+                     fmt(r.get("fp8_rowwise_tflops"), 0), fmt(r.get("cublas_block_loop_tflops"), 0),
+                     fmt(r.get("bf16x_tflops"), 0), fmt(r.get("vs_bf16"), 2, "x"),
+                     fmt(r.get("vs_cublas_block_loop"), 2, "x"), f"{r['rel_err']:.1e}" if "rel_err" in r else "–"])
+    return ["TFLOP/s = 2 M N K / time, quantization excluded; peers on the same operands in the same run: BF16 "
+            "`torch._grouped_mm`, FP8 rowwise `torch._scaled_grouped_mm`, a per-expert loop of cuBLAS block-scaled "
+            "`torch._scaled_mm` (1x128 x 128x128 scales), and the exact recipe's expansion to BF16.", ""] + table(head,
+                                                                                                          body)
+
+
+LINEAR_METHODS = ("bf16", "mxfp8_128", "mxfp8", "torchao_fp8")
+
+
+def linear_section(rows: list[dict]) -> list[str]:
+    head = ["shape", "proj", "balance"] + [f"{m} ms" for m in LINEAR_METHODS] + [
+        "mxfp8_128 vs bf16", "mxfp8_128 vs torchao", "torchao vs bf16", "mxfp8_128 vs bf16, eager"]
+    body = []
+    for r in sorted(rows, key=lambda r: (shape_key(r["shape"]), r["proj"] != "up", r["balance"] != "balanced")):
+        m = r["methods"]
+        g = {k: m.get(k, {}).get("graph_ms") for k in LINEAR_METHODS}
+        e = {k: m.get(k, {}).get("eager_ms") for k in LINEAR_METHODS}
+        body.append([r["shape"], r["proj"], r["balance"]] + [fmt(g[k], 2) for k in LINEAR_METHODS] + [
+            fmt(ratio(g["bf16"], g["mxfp8_128"]), 2, "x"), fmt(ratio(g["torchao_fp8"], g["mxfp8_128"]), 2, "x"),
+            fmt(ratio(g["bf16"], g["torchao_fp8"]), 2, "x"), fmt(ratio(e["bf16"], e["mxfp8_128"]), 2, "x")])
+    return ["One expert linear, forward + `autograd.grad` of x and w, quantization included; ms of the step "
+            "replayed from a CUDA graph (the last column: eager, host launch work included). Ratios > 1: ours "
+            "faster.", ""] + table(head, body)
+
+
+def layer_cells(r: dict) -> list[str]:
+    route = "" if r.get("route", "auto") == "auto" else f" ({r['route']})"
+    mem = [ratio(r.get("saved_for_bwd_gib"), r.get("bf16_saved_for_bwd_gib")),
+           ratio(r.get("peak_mem_gib"), r.get("bf16_peak_mem_gib"))]
+    return [r["shape"], r["balance"], r["recipe"] + route, str(r.get("run", "")), fmt(r["ms"]), fmt(r.get("bf16_ms")),
+            fmt(ratio(r.get("bf16_ms"), r["ms"]), 2, "x"), pct(r.get("quant_share"))] + [fmt(m, 2, "x") for m in mem]
+
+
+def layer_section(rows: list[dict]) -> list[str]:
+    out = ["MoE layer forward + backward, 16384 tokens; `vs bf16`: our bf16 recipe's ms over the row's, same run "
+           "and timing. Saved for backward and peak memory (eager only) against bf16's.", ""]
+    head = ["shape", "balance", "recipe", "run", "ms", "bf16 ms", "vs bf16", "quant. share", "saved vs bf16",
+            "peak vs bf16"]
+    for timing in ("cudagraphs", "eager", "inductor"):
+        sel = [r for r in rows if r.get("timing", "eager") == timing]
+        if not sel:
+            continue
+        body = [layer_cells(r) for r in sorted(sel, key=lambda r: (r.get("run", 0), shape_key(r["shape"]),
+                                                                  r["balance"] != "balanced", r["recipe"]))]
+        out += [f"Timing `{timing}`" + (" (torch.compile's cudagraphs backend: kernels replayed, as `mxmoe train "
+                                        "--compile cudagraphs` runs the layer)" if timing == "cudagraphs" else
+                                        " (every kernel launched from Python)" if timing == "eager" else "") + ":", ""]
+        out += table(head, body) + [""]
+    return out[:-1]
+
+
+def train_section(rows: list[dict]) -> list[str]:
+    out = []
+    tp = [r for r in rows if r.get("kind", "throughput") == "throughput"]
+    if tp:
+        head = ["run", "compile", "micro-batches", "steps", "recipe", "tokens/s", "ms/step", "MFU", "vs bf16",
+                "peak GiB"]
+        body = [[str(r.get("run", "")), str(r.get("compile")), str(r.get("grad_accum")), str(r.get("steps")),
+                 r["recipe"], fmt(r["tokens_per_s"], 0), fmt(r["ms_per_step"], 1), pct(r.get("mfu"), 1),
+                 fmt(r.get("vs_bf16"), 2, "x"), fmt(r.get("peak_mem_gib"), 1)]
+                for r in sorted(tp, key=lambda r: (r.get("run", 0), r["recipe"] != "bf16", r["recipe"]))]
+        out += ["Throughput, `mxmoe train --preset gpu-throughput` (2 layers, dim 2048, 8 experts top-2, FFN 4096; "
+                "MFU against the GPU's dense BF16 peak for every recipe), the recipes one after the other in one "
+                "process:", ""] + table(head, body) + [""]
+    cv = [r for r in rows if r.get("kind") == "convergence"]
+    if cv:
+        head = ["recipe", "seeds", "final val loss, mean", "seed spread", "gap to bf16, mean (per seed)",
+                "val - train, worst"]
+        body = []
+        for rec in dict.fromkeys(r["recipe"] for r in cv):
+            sel = sorted((r for r in cv if r["recipe"] == rec), key=lambda r: r["seed"])
+            vals = [r["val_loss"] for r in sel]
+            gaps = [r.get("gap_pct") for r in sel]
+            gap = "" if rec == "bf16" or None in gaps else (f"{statistics.mean(gaps):+.2f}% (" + " / ".join(
+                f"{g:+.2f}" for g in gaps) + "%)")
+            body.append([rec, ", ".join(str(r["seed"]) for r in sel), f"{statistics.mean(vals):.4f}",
+                         f"{max(vals) - min(vals):.4f}", gap, f"{max(r['val_minus_train_pct'] for r in sel):+.2f}%"])
+        out += ["Convergence, `mxmoe train --preset gpu` (2000 steps of 16,384 tokens), final validation loss "
+                "(nats/byte) per recipe over seeds:", ""] + table(head, body) + [""]
+    return out[:-1]
+
+
+def torchtitan_section(rows: list[dict]) -> list[str]:
+    head = ["model", "method", "tokens/s", "vs bf16", "MFU", "peak GiB", "final loss", "expert share",
+            "layer ratio", "ideal speed-up"]
+    ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
+    body = [[str(r.get("model")), str(r.get("method")), fmt(r.get("tokens_per_s"), 0),
+             fmt(ratio(r.get("tokens_per_s"), ref.get(r.get("model"))), 2, "x"), pct(r.get("mfu"), 1),
+             fmt(r.get("peak_gib"), 1), fmt((r.get("loss") or [None])[-1], 3), pct(r.get("expert_share")),
+             fmt(r.get("layer_ratio"), 2, "x"), fmt(r.get("ideal_speedup"), 2, "x")] for r in rows]
+    return ["torchtitan's own training entry point; `bf16`: torchtitan's experts, the others mxmoe's through its "
+            "model converter.", ""] + table(head, body)
+
+
+SECTIONS = {"quantize": ("Quantization kernels", quantize_section), "gemm": ("Grouped GEMMs", gemm_section),
+            "linear": ("One expert linear layer", linear_section), "layer": ("MoE layer", layer_section),
+            "train": ("Training (`mxmoe train`)", train_section), "torchtitan": ("torchtitan", torchtitan_section)}
+
+
+def result_files(results: Path) -> list[tuple[str, str, Path]]:
+    """(gpu folder, suite, path) of every suite result file under ``results``, in report order."""
+    out = []
+    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+        for suite in ORDER:
+            if (folder / f"{suite}.json").exists():
+                out.append((folder.name, suite, folder / f"{suite}.json"))
+    return out
+
+
+def render(results: Path = C.RESULTS) -> str:
+    """RESULTS.md's text from the result files under ``results`` (pure: writes nothing)."""
+    lines = ["# mxmoe benchmark results", "",
+             "Generated by `python -m benchmarks report` from `benchmarks/results/<gpu>/<suite>.json` (each written "
+             "by `python -m benchmarks <suite>`); do not edit by hand: `tests/test_benchmarks.py` fails when this "
+             "file is stale. Every ratio is against a peer measured in the same run on the same GPU.", ""]
+    files = result_files(results)
+    lines += ["| suite | GPU folder | date | rows |", "| --- | --- | --- | --- |"]
+    docs = []
+    for gpu, suite, path in files:
+        doc = json.loads(path.read_text())
+        docs.append((gpu, suite, doc))
+        ok = isinstance(doc.get("header"), dict) and isinstance(doc.get("rows"), list)
+        n = len(doc["rows"]) if ok else "not in the suite format"
+        lines.append(f"| [{suite}](#{suite}-{gpu}) | {gpu} | {doc['header'].get('date', '?') if ok else '?'} | {n} |")
+    for gpu, suite, doc in docs:
+        title, section = SECTIONS[suite]
+        lines += ["", f"## {suite} ({gpu})", "", f"**{title}**, `python -m benchmarks {suite}` -> "
+                  f"`benchmarks/results/{gpu}/{suite}.json`.", ""]
+        if not (isinstance(doc.get("header"), dict) and isinstance(doc.get("rows"), list)):
+            lines.append(f"This file is not in the suite format (no header and rows): rerun `python -m benchmarks "
+                         f"{suite}`.")
+            continue
+        lines += header_lines(doc["header"]) + [""]
+        lines += section(doc["rows"])
+        if suite in PLOTS:
+            lines += ["", f"![{suite}](results/{gpu}/{suite}.png)"]
+    return "\n".join(lines) + "\n"
+
+
+# --- plots ------------------------------------------------------------------------------------------------------
+
+def _bars(path: Path, title: str, labels: list[str], series: dict[str, list], ylabel: str, ref: float | None = 1.0):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(labels) * max(1, len(series))), 4.0))
+    width = 0.8 / max(1, len(series))
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, [v if v is not None else 0 for v in vals], width, label=name)
+    if ref is not None:
+        ax.axhline(ref, color="black", lw=0.8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_layer(rows, path):
+    sel = [r for r in rows if r["balance"] == "balanced" and r.get("run", 0) in (0, 2)]
+    shapes = sorted({r["shape"] for r in sel}, key=shape_key)
+    series = {}
+    for r in sel:
+        key = f"{r['recipe']}, {r.get('timing', 'eager')}"
+        series.setdefault(key, {})[r["shape"]] = ratio(r.get("bf16_ms"), r["ms"])
+    _bars(path, "MoE layer fwd+bwd, speed-up over bf16 (balanced)", shapes,
+          {k: [v.get(s) for s in shapes] for k, v in series.items()}, "x bf16")
+
+
+def plot_linear(rows, path):
+    rows = sorted(rows, key=lambda r: (shape_key(r["shape"]), r["proj"], r["balance"]))
+    labels = [f"{r['shape']} {r['proj']}" + ("" if r["balance"] == "balanced" else " skew") for r in rows]
+    series = {m: [ratio(r["methods"].get("bf16", {}).get("graph_ms"), r["methods"].get(m, {}).get("graph_ms"))
+                  for r in rows] for m in ("mxfp8_128", "mxfp8", "torchao_fp8")}
+    _bars(path, "One expert linear fwd+bwd (CUDA graph), speed-up over bf16", labels, series, "x bf16")
+
+
+def plot_gemm(rows, path):
+    sel = [r for r in rows if r["recipe"] == "mxfp8_128" and r["balance"] == "balanced" and "error" not in r]
+    sel.sort(key=lambda r: (shape_key(r["shape"]), r["proj"]))
+    labels = list(dict.fromkeys(f"{r['shape']} {r['proj']}" for r in sel))
+    series = {p: [next((r["vs_bf16"] for r in sel if f"{r['shape']} {r['proj']}" == lab and r["pass"] == p), None)
+                  for lab in labels] for p in ("fprop", "dgrad", "wgrad")}
+    _bars(path, "mxfp8_128 grouped GEMM, speed-up over BF16 torch._grouped_mm (balanced)", labels, series, "x bf16")
+
+
+def plot_quantize(rows, path):
+    shape = rows[0]["shape"]
+    sel = [r for r in rows if r["shape"] == shape and r.get("timing", "do_bench") == "do_bench"]
+    kernels = list(dict.fromkeys(r["kernel"] for r in sel))
+    vals = [next(r["ratio"] for r in sel if r["kernel"] == k) for k in kernels]
+    _bars(path, f"Quantization kernels on {shape}, fraction of a device copy's bandwidth", kernels,
+          {"of copy": vals}, "fraction of copy", ref=0.9)
+
+
+def plot_train(rows, path):
+    sel = [r for r in rows if r.get("kind", "throughput") == "throughput"]
+    runs = list(dict.fromkeys((r.get("run", 0), r.get("compile"), r.get("grad_accum")) for r in sel))
+    recipes = list(dict.fromkeys(r["recipe"] for r in sel))
+    labels = [f"run {run}: {c}, accum {a}" for run, c, a in runs]
+    series = {rec: [next((r.get("vs_bf16") for r in sel if (r.get("run", 0), r.get("compile"), r.get("grad_accum"))
+                          == key and r["recipe"] == rec), None) for key in runs] for rec in recipes}
+    _bars(path, "mxmoe train gpu-throughput: tokens/s over bf16's", labels, series, "x bf16")
+
+
+def plot_torchtitan(rows, path):
+    ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
+    labels = [f"{r.get('model')} {r.get('method')}" for r in rows]
+    _bars(path, "torchtitan: tokens/s over bf16's", labels,
+          {"x bf16": [ratio(r.get("tokens_per_s"), ref.get(r.get("model"))) for r in rows]}, "x bf16")
+
+
+PLOTS = {"quantize": plot_quantize, "gemm": plot_gemm, "linear": plot_linear, "layer": plot_layer,
+         "train": plot_train, "torchtitan": plot_torchtitan}
+
+
+def write_plots(results: Path = C.RESULTS) -> list[Path]:
+    """One PNG per suite file (``results/<gpu>/<suite>.png``); returns the paths written."""
+    written = []
+    for gpu, suite, path in result_files(results):
+        doc = json.loads(path.read_text())
+        if isinstance(doc.get("header"), dict) and doc.get("rows") and suite in PLOTS:
+            out = path.with_suffix(".png")
+            PLOTS[suite](doc["rows"], out)
+            written.append(out)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="only compare RESULTS.md with the result files")
+    ap.add_argument("--no-plots", action="store_true", help="write RESULTS.md only")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        if OUT_MD.exists() and OUT_MD.read_text() == text:
+            print("RESULTS.md is up to date")
+            return 0
+        print("RESULTS.md is stale: run python -m benchmarks report", file=sys.stderr)
+        return 1
+    OUT_MD.write_text(text)
+    print(f"wrote {OUT_MD}")
+    if not args.no_plots:
+        for p in write_plots():
+            print(f"wrote {p}")
+    return 0

@@ -1,0 +1,207 @@
+"""The benchmark suites as a product: the runner's arguments, each suite's CLI, the shared helpers, and
+benchmarks/RESULTS.md regenerated from the result files (CPU only, fast: no suite is run)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import __main__ as runner  # noqa: E402
+from benchmarks import common as C  # noqa: E402
+from benchmarks import report  # noqa: E402
+
+OWN_SUITES = ("quantize", "gemm", "linear", "layer", "train")  # torchtitan's module is the lead's
+
+
+def test_results_md_is_current():
+    """RESULTS.md is what `python -m benchmarks report` makes of the result files (regenerate it if this fails)."""
+    want = report.render()
+    got = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    assert got == want, "benchmarks/RESULTS.md is stale: run `python -m benchmarks report`"
+
+
+def test_results_md_covers_every_result_file():
+    text = report.render()
+    for gpu, suite, _ in report.result_files(C.RESULTS):
+        assert f"## {suite} ({gpu})" in text
+
+
+def test_unknown_suite_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        runner.main(["layer", "nosuch"])
+    assert "unknown suite(s): nosuch" in str(e.value.code) and "quantize" in str(e.value.code)
+
+
+def test_no_suite_is_an_error():
+    with pytest.raises(SystemExit) as e:
+        runner.main([])
+    assert "--list" in str(e.value.code)
+
+
+def test_list_names_every_suite(capsys):
+    assert runner.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for s in runner.SUITES:
+        assert out.count(f"{s} ") >= 1
+    assert "report" in out
+
+
+def test_plan_fits_or_says_how_to_split(capsys):
+    assert runner.main(["--plan", "layer", "gemm"]) == 0
+    assert "fits one device call" in capsys.readouterr().out
+    assert runner.main(["--plan", "linear", "torchtitan", "layer"]) == 3
+    out = capsys.readouterr().out
+    assert "split it" in out and out.count("bash benchmarks/run_device.sh") >= 2
+    fits, msg = runner.plan(list(runner.SUITES), quick=True, budget=runner.DEVICE_BUDGET_S)
+    assert fits, msg  # every smoke run together fits one call
+    calls = [line for line in runner.plan(list(runner.SUITES), False, 540)[1].splitlines() if "run_device" in line]
+    assert calls and all(int(c.rsplit("~", 1)[1].split()[0]) <= 540 for c in calls)  # each call fits
+    named = [w for c in calls for w in c.split("#")[0].split()[2:]]
+    assert sorted(named) == sorted(runner.SUITES)  # every suite in exactly one call
+
+
+def test_runner_calls_each_suite_main_with_out(monkeypatch, tmp_path):
+    """Suite S is benchmarks.bench_S; its main gets --quick, --out DIR/S.json and the arguments after --."""
+    calls = []
+    fake = types.ModuleType("benchmarks.bench_fake")
+    fake.main = lambda argv=None: calls.append(argv)
+    broken = types.ModuleType("benchmarks.bench_broken")
+
+    def fail(argv=None):
+        raise RuntimeError("boom")
+
+    broken.main = fail
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_fake", fake)
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_broken", broken)
+    monkeypatch.setitem(runner.SUITES, "fake", ("a fake suite", 1, 1))
+    monkeypatch.setitem(runner.SUITES, "broken", ("a failing suite", 1, 1))
+    assert runner.main(["fake", "--quick", "--out-dir", str(tmp_path), "--", "--shapes", "dsv3-16b"]) == 0
+    assert calls == [["--quick", "--out", f"{tmp_path}/fake.json", "--shapes", "dsv3-16b"]]
+    assert runner.main(["broken", "fake", "--out-dir", str(tmp_path)]) == 1  # the failure reported, fake still ran
+    assert calls[-1] == ["--out", f"{tmp_path}/fake.json"]
+
+
+@pytest.mark.parametrize("suite", OWN_SUITES)
+def test_suite_main_parses_quick_and_out(suite, tmp_path):
+    mod = importlib.import_module(f"benchmarks.bench_{suite}")
+    args = mod.build_parser().parse_args(["--quick", "--out", str(tmp_path / "x.json")])
+    assert args.quick and args.out == str(tmp_path / "x.json")
+    if torch.cuda.is_available():
+        pytest.skip("main would run the suite on this GPU")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--quick", "--out", str(tmp_path / "x.json")])
+    assert "CUDA" in str(e.value.code)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_torchtitan_suite_follows_the_convention():
+    try:
+        mod = importlib.import_module("benchmarks.bench_torchtitan")
+    except ModuleNotFoundError as e:
+        if e.name != "benchmarks.bench_torchtitan":
+            raise
+        pytest.skip("benchmarks/bench_torchtitan.py not in this tree yet")
+    assert callable(mod.main)
+
+
+@pytest.mark.parametrize("suite", ("gemm", "linear", "layer"))
+def test_unknown_shape_is_a_clear_error(suite):
+    mod = importlib.import_module(f"benchmarks.bench_{suite}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--shapes", "dsv3-ep32,nosuch"])
+    assert "nosuch" in str(e.value.code) and "dsv3-671b-ep8" in str(e.value.code)
+
+
+def test_reference_shapes():
+    """DESIGN §5, the two shapes of issue 40 included: dsv3-16b (64 experts top-6) and one rank of EP 8 of
+    DeepSeek-V3 671B (32 local experts, 131072 routed rows: top-8 of 16384 tokens)."""
+    s = C.SHAPES["dsv3-16b"]
+    assert (s.experts, s.rows, s.hidden, s.ffn, s.top_k) == (64, 98304, 2048, 1408, 6)
+    s = C.SHAPES["dsv3-671b-ep8"]
+    assert (s.experts, s.rows, s.hidden, s.ffn, s.top_k) == (32, 131072, 7168, 2048, 8)
+    assert C.SHAPES["dsv3-ep32"].top_k == 2 and C.SHAPES["mixtral-8x7b"].proj("up") == (28672, 4096)
+    assert C.SHAPES["mixtral-8x7b"].proj("down") == (4096, 14336)
+    with pytest.raises(ValueError):
+        C.SHAPES["mixtral-8x7b"].proj("sideways")
+    assert C.shape_list(None, quick=True) == list(C.QUICK_SHAPES) and C.shape_list(None, False) == list(C.SHAPES)
+
+
+@pytest.mark.parametrize("name, slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                        ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "rtx4090"),
+                                        ("NVIDIA B200", "b200")])
+def test_gpu_slug(name, slug):
+    assert C.gpu_slug(name) == slug
+
+
+@pytest.mark.parametrize("E, unit", [(8, 128), (128, 128), (64, 32), (32, 128)])
+def test_token_counts(E, unit):
+    gen = torch.Generator().manual_seed(0)
+    for balance in ("balanced", "skewed"):
+        counts = C.token_counts(131072, E, balance, gen, unit=unit)
+        assert len(counts) == E and sum(counts) == 131072 and all(c % unit == 0 for c in counts)
+        assert (balance == "skewed") == (min(counts) == 0)
+    with pytest.raises(ValueError):
+        C.token_counts(1024, 8, "uniform", gen)
+
+
+def test_header_and_write_result(tmp_path):
+    head = C.header("layer", True, tokens=16)
+    for key in ("date", "gpu", "driver", "torch", "triton", "peers", "git", "quick"):
+        assert key in head
+    assert head["tokens"] == 16 and set(head["git"]) == {"commit", "dirty"}
+    C.write_result(tmp_path / "sub" / "layer.json", head, [{"a": 1}])
+    doc = json.loads((tmp_path / "sub" / "layer.json").read_text())
+    assert doc["rows"] == [{"a": 1}] and doc["header"]["suite"] == "layer"
+
+
+def test_render_layer_table_and_foreign_files(tmp_path):
+    """A suite file's rows become its table (ratios computed from the rows); a file of another format is named
+    as such instead of failing the report."""
+    gpu = tmp_path / "h200"
+    gpu.mkdir()
+    head = {"gpu": "NVIDIA H200", "date": "2026-12-03", "torch": "2.11", "triton": "3.6", "git": {"commit": "abc"}}
+    rows = [{"shape": "dsv3-16b", "recipe": "mxfp8_128", "balance": "balanced", "timing": "cudagraphs", "ms": 5.0,
+             "bf16_ms": 6.5, "quant_share": 0.2, "peak_mem_gib": None, "saved_for_bwd_gib": None}]
+    (gpu / "layer.json").write_text(json.dumps({"header": head, "rows": rows}))
+    (gpu / "torchtitan.json").write_text(json.dumps({"header": ["old"], "runs": {}}))
+    text = report.render(tmp_path)
+    assert "| dsv3-16b | balanced | mxfp8_128 |  | 5.00 | 6.50 | 1.30x | 20% | – | – |" in text
+    assert "not in the suite format" in text and "mxmoe commit abc" in text
+    assert "![layer](results/h200/layer.png)" in text
+
+
+def test_train_command_and_kept_convergence_rows():
+    """The train suite wraps `mxmoe train --preset gpu-throughput` (8 micro-batches, the three recipes; --quick:
+    two recipes, eager, a few steps) and keeps the convergence rows of the file it rewrites."""
+    from benchmarks import bench_train as T
+
+    full = T.train_command(T.build_parser().parse_args([]), "/tmp/run")
+    assert full[1:5] == ["-m", "mxmoe", "train", "--preset"] and "gpu-throughput" in full
+    opts = dict(zip(full[4::2], full[5::2]))
+    assert opts["--recipes"] == "bf16,mxfp8,mxfp8_128" and opts["--grad-accum"] == "8" and opts["--steps"] == "40"
+    assert opts["--compile"] == "auto" and opts["--out"] == "/tmp/run"
+    quick = dict(zip(*[iter(T.train_command(T.build_parser().parse_args(["--quick"]), "/tmp/q")[4:])] * 2))
+    assert quick["--recipes"] == "bf16,mxfp8_128" and quick["--compile"] == "none" and quick["--grad-accum"] == "1"
+    rows, sources = T.carried_convergence(C.RESULTS / "h200" / "train.json")
+    assert len(rows) == 9 and {r["recipe"] for r in rows} == {"bf16", "mxfp8", "mxfp8_128"} and sources
+
+
+def test_render_torchtitan_rows(tmp_path):
+    (tmp_path / "h200").mkdir()
+    rows = [{"model": "deepseek_v3 debug", "method": "bf16", "tokens_per_s": 100000.0, "mfu": 0.1, "peak_gib": 5.0,
+             "loss": [8.0, 6.5]},
+            {"model": "deepseek_v3 debug", "method": "mxmoe mxfp8_128", "tokens_per_s": 110000.0, "mfu": 0.11,
+             "peak_gib": 4.5, "loss": [8.0, 6.6], "expert_share": 0.4, "layer_ratio": 1.3, "ideal_speedup": 1.1}]
+    (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
+    text = report.render(tmp_path)
+    assert "| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.10x | 11.0% | 4.5 | 6.600 | 40% | 1.30x | 1.10x |" in text
