@@ -15,6 +15,12 @@ if [ ${#SUITES[@]} = 0 ]; then
 fi
 python3 -m benchmarks --plan --budget "${BUDGET:-540}" $QUICK "${SUITES[@]}" || exit 2
 . "$(dirname "$0")/device_steps.sh"
+# peers the image lacks (torchtitan 0.2.2 and its needs, torchao 0.18) travel as wheels in .whl (carry it):
+# docs/torchtitan.md has the pip download line
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >>"$LOG" 2>&1 && export PYTHONPATH=$PWD:/tmp/site || echo "=== wheel install failed" >>"$LOG"
+fi
 python3 -m mxmoe info >>"$LOG" 2>&1
 for s in "${SUITES[@]}"; do
   left=$((${BUDGET:-540} + 30 - SECONDS))

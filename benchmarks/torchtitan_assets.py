@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=a.vocab, special_tokens=[BOS, EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts[:300], trainer)
+    tok.train_from_iterator(texts if a.vocab > 4096 else texts[:300], trainer)  # a large vocabulary needs the text
     tok.save(str(tok_dir / "tokenizer.json"))
     (tok_dir / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": True}))

@@ -172,6 +172,47 @@ def test_experts_alone_empty_groups_and_bf16_rows(fused_swiglu):
 
 
 @needs_torchtitan
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_128"])
+def test_compiled_experts_are_one_graph_and_match_eager(recipe):
+    """With a compile backend the converted experts run under torch.compile(fullgraph=True) (what
+    --compile.enable gives them inside torchtitan): padding plan, gathers, products and SwiGLU traced whole
+    (a graph break is an error), with the eager numbers, empty experts included."""
+    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
+
+    torch._dynamo.reset()
+    m = moe_layer(128, 128, 6, 1)
+    eager = converted(m, recipe).experts
+    comp = converted(m, recipe).experts
+    comp.compile_backend = "aot_eager"
+    assert isinstance(comp, MXMoEGroupedExperts)
+    counts = torch.tensor([50, 0, 70, 0, 30, 0])
+    x = tokens(150, 128)[0].bfloat16()
+    outs = []
+    for e in (eager, comp):
+        xx = x.clone().requires_grad_()
+        y = e(xx, counts)
+        y.float().square().mean().backward()
+        outs.append([y.float(), xx.grad.float(), e.w1.grad, e.w2.grad, e.w3.grad])
+    for a, b in zip(*outs):
+        assert torch.isfinite(b).all() and rel(b, a) < 1e-5
+
+
+@needs_torchtitan
+def test_converter_compiles_the_experts_with_compile_enable():
+    """--compile.enable (model among --compile.components) sets torchtitan's compile backend on the experts."""
+    from torchtitan.config import ConfigManager
+
+    from mxmoe.integrations.torchtitan import MXMoEConverter
+
+    base = ["--job.custom_config_module", "mxmoe.integrations.torchtitan", "--model.converters", "mxmoe"]
+    assert MXMoEConverter(ConfigManager().parse_args(base)).compile_backend is None
+    on = MXMoEConverter(ConfigManager().parse_args(base + ["--compile.enable"]))
+    assert on.compile_backend == "inductor"
+    off = MXMoEConverter(ConfigManager().parse_args(base + ["--compile.enable", "--compile.components", "loss"]))
+    assert off.compile_backend is None
+
+
+@needs_torchtitan
 @pytest.mark.parametrize("recipe,align", [("mxfp8", 32), ("mxfp8_128", 128)])
 def test_expert_parallel_padding_uses_the_recipe_alignment(recipe, align):
     """Under EP torchtitan's ExpertParallel pads the received rows (models.moe.utils._permute, its CPU

@@ -41,8 +41,11 @@ Selecting it, on the command line of torchtitan's trainer (``torchtitan.train``)
 :func:`convert_grouped_experts` on a built model.
 
 Compile: torchtitan 0.2.2's ``--compile.enable`` compiles each MoE layer's router and shared experts but
-leaves the ``experts`` module eager (it compiles its own ``_run_experts_grouped_mm`` instead), so these
-experts run eager, mxmoe's kernels and the padding gathers as they are.
+leaves the ``experts`` module out (it compiles its own ``_run_experts_grouped_mm`` function instead, around
+FSDP's hooks on the module). The converter does the same for its experts: with ``--compile.enable`` (and
+``model`` in ``--compile.components``) each converted module's forward runs the experts through
+``torch.compile(fullgraph=True)`` with torchtitan's compile backend (:func:`compiled_experts`): the padding
+plan, the gathers, the three products and the SwiGLU in one graph, mxmoe's kernels as custom ops in it.
 
 Only torchtitan's plain ``GroupedExperts`` convert: gpt-oss's experts (``GptOssGroupedExperts``, biases
 and a clamped SwiGLU) call ``torch._grouped_mm`` directly in 0.2.2 and are left as they are (the
@@ -78,7 +81,7 @@ TORCHTITAN_VERSION = "0.2.2"  # the release whose seams this module is written a
 CONVERTER_NAME = "mxmoe"  # for --model.converters
 
 __all__ = ["MXMoEGroupedExperts", "MXMoEConverter", "MXMoEOptions", "JobConfig", "convert_grouped_experts",
-           "CONVERTER_NAME", "TORCHTITAN_VERSION"]
+           "run_experts", "compiled_experts", "CONVERTER_NAME", "TORCHTITAN_VERSION"]
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -104,6 +107,7 @@ class MXMoEGroupedExperts(GroupedExperts):
     recipe: Recipe
     fused_swiglu: bool
     validate: bool
+    compile_backend: "str | None" = None  # torch.compile backend of the experts (None: eager)
 
     @classmethod
     def convert(cls, experts: GroupedExperts, recipe: "str | Recipe" = "mxfp8_128", fused_swiglu: bool = True,
@@ -128,37 +132,67 @@ class MXMoEGroupedExperts(GroupedExperts):
         here; under it torchtitan has padded them to ``recipe.align`` and the rows past their sum are padding.
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        rec = self.recipe
-        rec.check_dims(w2.shape[1], w2.shape[2])  # python ints: the shard this rank holds
-        xc = x.float() if rec.compute_dtype == "float32" else x.bfloat16()
-        counts = num_tokens_per_expert.to(torch.int64)
-        if _expert_parallel(self.w1):  # padded by torchtitan (TOKEN_GROUP_ALIGN_SIZE_M = recipe.align)
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            offs[-1:].fill_(x.shape[0])  # the last group takes the slack rows (zeros)
-            return self._experts(xc, w1, w2, w3, offs).type_as(x)
-        n = x.shape[0]
-        expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=n)
-        slot_rows, offs, rows, _ = permute_plan(expert_of_row[:, None], counts.numel(), rec.align)
-        xp, _ = permute_tokens(xc, slot_rows, rows, 1)
-        return self._experts(xp, w1, w2, w3, offs).index_select(0, slot_rows).type_as(x)
+        self.recipe.check_dims(w2.shape[1], w2.shape[2])  # python ints: the shard this rank holds
+        ep = _expert_parallel(self.w1)
+        run = run_experts if self.compile_backend is None else compiled_experts(self.compile_backend, ep)
+        return run(x, num_tokens_per_expert, w1, w2, w3, self.recipe, self.fused_swiglu, self.validate, ep)
 
-    def _experts(self, x, w1, w2, w3, offs):
-        """The SwiGLU experts on padded groups (``offs`` int32 end rows, the last ``x.shape[0]``)."""
-        rec, v = self.recipe, self.validate
-        if not self.fused_swiglu:
-            h = F.silu(grouped_linear(x, w1, offs, rec, validate=v)) * grouped_linear(x, w3, offs, rec, validate=v)
-            return grouped_linear(h, w2, offs, rec, validate=v)
-        w13 = torch.cat([w1, w3], dim=1)  # [E, 2F, D]: gate rows [:F], up rows [F:] (mxmoe.MoE's w13)
-        h = grouped_linear(x, w13, offs, rec, validate=v)  # [R, 2F]
-        a, a_mx = swiglu(h, rec, w2)  # fused with a's quantization where the route allows
-        return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **prequantized_operands(a_mx))
+
+def run_experts(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor, recipe: Recipe, fused_swiglu: bool, validate: bool, expert_parallel: bool):
+    """:meth:`MXMoEGroupedExperts.forward` on local tensors (``w1 [E, F, D]``, ``w2 [E, D, F]``, ``w3 [E, F, D]``):
+    ``x [R, D]`` expert-ordered rows -> ``[R, D]`` in x's dtype. ``expert_parallel``: torchtitan has padded the
+    groups to ``recipe.align`` (the rows past the counts' sum are padding); else they are padded here."""
+    xc = x.float() if recipe.compute_dtype == "float32" else x.bfloat16()
+    counts = num_tokens_per_expert.to(torch.int64)
+    if expert_parallel:  # padded by torchtitan (TOKEN_GROUP_ALIGN_SIZE_M = recipe.align)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        offs[-1:].fill_(x.shape[0])  # the last group takes the slack rows (zeros)
+        return _experts(xc, w1, w2, w3, offs, recipe, fused_swiglu, validate).type_as(x)
+    n = x.shape[0]
+    expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=n)
+    slot_rows, offs, rows, _ = permute_plan(expert_of_row[:, None], counts.numel(), recipe.align)
+    xp, _ = permute_tokens(xc, slot_rows, rows, 1)
+    return _experts(xp, w1, w2, w3, offs, recipe, fused_swiglu, validate).index_select(0, slot_rows).type_as(x)
+
+
+_COMPILED: dict = {}
+
+
+def compiled_experts(backend: str, expert_parallel: bool = False):
+    """:func:`run_experts` under ``torch.compile(backend=backend, fullgraph=True)``, one per backend (the recipe
+    and flags are guarded constants). Under expert parallelism the row count varies from step to step, so x's
+    first dim is marked dynamic there, as torchtitan does for its own grouped experts."""
+    key = (backend, expert_parallel)
+    if key not in _COMPILED:
+        fn = torch.compile(run_experts, backend=backend, fullgraph=True)
+        if expert_parallel:
+            inner = fn
+
+            def fn(x, *args):
+                torch._dynamo.mark_dynamic(x, 0)
+                return inner(x, *args)
+        _COMPILED[key] = fn
+    return _COMPILED[key]
+
+
+def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool):
+    """The SwiGLU experts on padded groups (``offs`` int32 end rows, the last ``x.shape[0]``)."""
+    if not fused_swiglu:
+        h = F.silu(grouped_linear(x, w1, offs, rec, validate=v)) * grouped_linear(x, w3, offs, rec, validate=v)
+        return grouped_linear(h, w2, offs, rec, validate=v)
+    w13 = torch.cat([w1, w3], dim=1)  # [E, 2F, D]: gate rows [:F], up rows [F:] (mxmoe.MoE's w13)
+    h = grouped_linear(x, w13, offs, rec, validate=v)  # [R, 2F]
+    a, a_mx = swiglu(h, rec, w2)  # fused with a's quantization where the route allows
+    return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **prequantized_operands(a_mx))
 
 
 def convert_grouped_experts(model: nn.Module, recipe: "str | Recipe" = "mxfp8_128", fused_swiglu: bool = True,
-                            validate: bool = False) -> list[str]:
+                            validate: bool = False, compile_backend: "str | None" = None) -> list[str]:
     """Every torchtitan ``GroupedExperts`` of ``model`` made :class:`MXMoEGroupedExperts` (in place), and
     torchtitan's expert-parallel group padding set to the recipe's alignment. Returns the converted
-    modules' names.
+    modules' names. ``compile_backend``: run the experts under ``torch.compile(fullgraph=True)`` with that
+    backend (e.g. ``"inductor"``; :func:`compiled_experts`), None: eager.
 
     Raises:
         ValueError: unknown recipe; expert dims the recipe cannot take; a model without GroupedExperts.
@@ -170,7 +204,7 @@ def convert_grouped_experts(model: nn.Module, recipe: "str | Recipe" = "mxfp8_12
         raise ValueError("mxmoe's converter found no torchtitan GroupedExperts (no MoE layers) to convert"
                          + (f"; experts of other kinds are not converted: {others}" if others else ""))
     for n in names:
-        MXMoEGroupedExperts.convert(model.get_submodule(n), rec, fused_swiglu, validate)
+        MXMoEGroupedExperts.convert(model.get_submodule(n), rec, fused_swiglu, validate).compile_backend = compile_backend
     # torchtitan's ExpertParallel pads to this after its all-to-all (typed Literal[8, 16, 32]; a plain int)
     _moe_utils.set_token_group_alignment_size_m(rec.align)
     return names
@@ -204,10 +238,13 @@ class MXMoEConverter:
     def __init__(self, job_config, parallel_dims=None):
         self.options = getattr(job_config, "mxmoe", None) or MXMoEOptions()
         get_recipe(self.options.recipe)
+        c = getattr(job_config, "compile", None)  # --compile.enable compiles the experts too (their own graph)
+        on = c is not None and c.enable and "model" in getattr(c, "components", ["model"])
+        self.compile_backend = getattr(c, "backend", "inductor") if on else None
 
     def convert(self, model: nn.Module) -> None:
         o = self.options
-        convert_grouped_experts(model, o.recipe, o.fused_swiglu, o.validate)
+        convert_grouped_experts(model, o.recipe, o.fused_swiglu, o.validate, self.compile_backend)
 
     def post_optimizer_hook(self, model) -> None:
         pass

@@ -1,0 +1,309 @@
+"""Torchtitan suite: torchtitan 0.2.2's own training entry point at real MoE sizes on one GPU, its BF16 experts
+beside torchao 0.18's FP8 rowwise MoE and mxmoe's recipes, back to back in one call.
+
+    python -m benchmarks torchtitan [--quick] [--out benchmarks/results/<gpu>/torchtitan.json]
+        [--models dsv3-16b,qwen3-30b-a3b,llama4-17bx16e] [--methods bf16,torchao_fp8,mxfp8_128,...]
+        [--steps 110] [--run-s 170] [--dry-run]
+
+Models (``MODELS``): torchtitan's published flavors with the layer count cut to fit one H200 with FP32 master
+weights and AdamW (``benchmarks/torchtitan_job.py`` registers the cut flavors from outside torchtitan), their own
+vocabularies (LM heads of 102,400 / 151,936 / 202,048), sequence length 4096 with 4 sequences a step (8192 x 1
+for Llama-4: memory). Data: this Python's standard library sources as JSON lines through torchtitan's own
+``c4_test`` data set path, tokenized by a byte-level BPE tokenizer of 32,768 tokens trained on them
+(``torchtitan_assets.py``); no network.
+
+Methods (``METHODS``): ``bf16`` torchtitan's ``GroupedExperts``; ``torchao_fp8`` torchao 0.18's FP8 rowwise grouped
+GEMMs on the routed experts (``torchao.fp8_grouped``: torchtitan's ``quantize.grouped_mm.float8`` needs an API
+torchao 0.18 dropped, see torchtitan_job.py); ``mxfp8_128``, ``mxfp8_128_lowmem``, ``mxfp8`` mxmoe's converter;
+``*+linear_fp8`` the same with torchtitan's ``quantize.linear.float8`` (rowwise; LM head and router gate left
+out) on the dense linears. Every run: ``--compile.enable`` (mxmoe's experts compiled too, fullgraph) and
+selective activation checkpointing, seed 0, the same data order.
+
+Per run (a row): ``tokens_per_s`` median of torchtitan's logged intervals after the warm-up steps (``--warmup``,
+default 10; the first interval holds the compilation), ``mfu`` (torchtitan's, a fraction of its BF16 peak),
+``peak_gib`` (torchtitan's max reserved), ``loss`` (every logged step), ``steps``, ``wall_s``, ``rc``. mxmoe rows
+also carry ``expert_share`` (s: the routed experts' share of the BF16 step: their forward + backward timed
+alone at the run's shape, torchtitan's compiled BF16 experts, times the MoE layers, over the BF16 step time),
+``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts', same timing) and
+``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
+(model, method), so split calls add up.
+
+``--dry-run`` (CPU is enough): parses every run's configuration through torchtitan's ConfigManager and builds
+its model on the meta device with the converters: the flags, the flavors and the converters, checked.
+Needs torchtitan 0.2.2 (and torchao 0.18 for ``torchao_fp8``) importable: on the GPU machine the wheels travel
+in ``.whl`` (``benchmarks/run_device.sh`` installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import common as C
+
+SUITE = "torchtitan"
+ASSETS = Path(os.environ.get("MXMOE_TT_ASSETS", "/tmp/tt_assets"))
+VOCAB = 32768
+
+# name -> torchtitan model, cut flavor (torchtitan_job.CUT_FLAVORS), tokens per step, expert shape
+MODELS = {
+    "dsv3-16b": dict(model="deepseek_v3", flavor="16B-cut4", seq_len=4096, batch=4),
+    "qwen3-30b-a3b": dict(model="qwen3", flavor="30B-A3B-cut4", seq_len=4096, batch=4),
+    "llama4-17bx16e": dict(model="llama4", flavor="17bx16e-cut2", seq_len=8192, batch=1),
+}
+_LINEAR_FP8 = ["--quantize.linear.float8.recipe_name", "rowwise", "--quantize.linear.float8.filter_fqns",
+               "output,router.gate"]
+METHODS = {
+    "bf16": [],
+    "torchao_fp8": ["--model.converters", "torchao.fp8_grouped"],
+    "mxfp8_128": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8_128"],
+    "mxfp8_128_lowmem": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8_128_lowmem"],
+    "mxfp8": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8"],
+    "torchao_fp8+linear_fp8": ["--model.converters", "torchao.fp8_grouped,quantize.linear.float8"] + _LINEAR_FP8,
+    "mxfp8_128+linear_fp8": ["--model.converters", "mxmoe,quantize.linear.float8", "--mxmoe.recipe", "mxfp8_128"]
+    + _LINEAR_FP8,
+}
+MX_RECIPE = {"mxfp8_128": "mxfp8_128", "mxfp8_128_lowmem": "mxfp8_128_lowmem", "mxfp8": "mxfp8",
+             "mxfp8_128+linear_fp8": "mxfp8_128"}
+DEFAULT_PLAN = [("dsv3-16b", m) for m in METHODS] + [
+    (mod, m) for mod in ("qwen3-30b-a3b", "llama4-17bx16e")
+    for m in ("bf16", "torchao_fp8", "mxfp8_128", "mxfp8_128_lowmem", "mxfp8")]
+
+
+def run_args(model: str, method: str, steps: int, dump: str, seed: int = 0) -> list[str]:
+    """torchtitan.train's flags for one (model, method) run."""
+    m = MODELS[model]
+    return ["--job.custom_config_module", "benchmarks.torchtitan_job", "--job.dump_folder", dump,
+            "--model.name", m["model"], "--model.flavor", m["flavor"],
+            "--model.hf_assets_path", str(ASSETS / "tokenizer"),
+            "--training.dataset", "c4_test", "--training.dataset_path", str(ASSETS / "data"),
+            "--training.local_batch_size", str(m["batch"]), "--training.seq_len", str(m["seq_len"]),
+            "--training.steps", str(steps), "--debug.seed", str(seed),
+            "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "10",
+            "--parallelism.expert_parallel_degree", "1", "--activation_checkpoint.mode", "selective",
+            "--metrics.log_freq", "5", "--compile.enable"] + METHODS[method]
+
+
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
+                   r"(?:.*?mfu:\s*([\d.]+)%)?")
+
+
+def parse_log(text: str, warmup: int) -> dict:
+    """torchtitan's metric lines -> steps, loss, tokens/s (median after ``warmup`` steps), mfu, peak GiB."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    steps, loss, tps, mfu, mem = [], [], [], [], []
+    for m in _STEP.finditer(text):
+        steps.append(int(m.group(1)))
+        loss.append(float(m.group(2)))
+        mem.append(float(m.group(3)))
+        tps.append(int(m.group(4).replace(",", "")))
+        mfu.append(float(m.group(5)) / 100 if m.group(5) else None)
+    after = [i for i, s in enumerate(steps) if s > warmup]
+    med = lambda v: statistics.median(v) if v else None  # noqa: E731
+    return {"steps": steps, "loss": loss, "tps_intervals": tps,
+            "tokens_per_s": med([tps[i] for i in after]),
+            "mfu": med([mfu[i] for i in after if mfu[i] is not None]),
+            "peak_gib": max(mem) if mem else None, "timed_steps": (steps[-1] - warmup) if after else 0}
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_CACHE="/tmp/tt_hf", WANDB_MODE="disabled", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(C.REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def ensure_assets() -> None:
+    if not (ASSETS / "tokenizer" / "tokenizer.json").exists():
+        subprocess.run([sys.executable, str(C.REPO / "benchmarks" / "torchtitan_assets.py"), str(ASSETS),
+                        "--vocab", str(VOCAB)], check=True, env=_env())
+
+
+def dry_run(model: str, method: str) -> dict:
+    """Parse the run's config and build its model on meta with its converters (no GPU, no trainer)."""
+    code = (
+        "import sys, torch, json\n"
+        "from torchtitan.config import ConfigManager\n"
+        "from torchtitan.protocols.model_converter import build_model_converters\n"
+        "from torchtitan.protocols.train_spec import get_train_spec\n"
+        "c = ConfigManager().parse_args(sys.argv[1:]); spec = get_train_spec(c.model.name)\n"
+        "args = spec.model_args[c.model.flavor]; args.update_from_config(c)\n"
+        "with torch.device('meta'):\n    model = spec.model_cls(args)\n"
+        "build_model_converters(c, None).convert(model)\n"
+        "kinds = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith('Experts')})\n"
+        "n = sum(p.numel() for p in model.parameters())\n"
+        "print(json.dumps({'experts': kinds, 'params': n, 'converters': c.model.converters}))\n")
+    p = subprocess.run([sys.executable, "-c", code] + run_args(model, method, 10, "/tmp/tt_dry"),
+                       capture_output=True, text=True, env=_env())
+    if p.returncode:
+        return {"rc": p.returncode, "error": p.stderr[-2000:]}
+    return {"rc": 0, **json.loads(p.stdout.strip().splitlines()[-1])}
+
+
+def expert_shape(model: str) -> dict:
+    """The run's routed experts as torchtitan builds them (the cut model on the meta device): experts E, FFN
+    hidden, dim, top-k, the number of MoE layers."""
+    import torch
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.moe import moe as tt_moe
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    cfg = ConfigManager().parse_args(run_args(model, "bf16", 10, "/tmp/tt_dry"))
+    spec = get_train_spec(cfg.model.name)
+    args = spec.model_args[cfg.model.flavor]
+    args.update_from_config(cfg)
+    with torch.device("meta"):
+        net = spec.model_cls(args)
+    layers = [m for m in net.modules() if isinstance(m, tt_moe.MoE)]
+    E, hidden, dim = layers[0].experts.w1.shape
+    return dict(experts=E, hidden=hidden, dim=dim, top_k=layers[0].router.top_k, moe_layers=len(layers))
+
+
+def expert_timings(model: str, methods: list[str]) -> dict[str, float]:
+    """Milliseconds of one routed-experts forward + backward at the run's shape (balanced tokens per expert):
+    torchtitan's BF16 GroupedExperts through its compiled grouped-mm function (as --compile.enable runs it),
+    and each mxmoe recipe's converted experts, compiled as the converter compiles them (triton's do_bench)."""
+    import torch
+    import triton.testing
+    from torchtitan.models.moe import moe as tt_moe
+
+    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
+
+    sh = expert_shape(model)
+    m = MODELS[model]
+    E, rows = sh["experts"], m["seq_len"] * m["batch"] * sh["top_k"]
+    counts = torch.full((E,), rows // E, dtype=torch.int64, device="cuda")
+    counts[: rows - int(counts.sum())] += 1
+    x = torch.randn(rows, sh["dim"], device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    compiled_bf16 = torch.compile(tt_moe._run_experts_grouped_mm, fullgraph=True)
+    out = {}
+    recipes = list(dict.fromkeys(MX_RECIPE[mm] for mm in methods if mm in MX_RECIPE))
+    for method in ["bf16"] + recipes:  # keyed by recipe: "+linear_fp8" runs share their recipe's experts
+        torch.manual_seed(0)
+        e = tt_moe.GroupedExperts(sh["dim"], sh["hidden"], E, use_grouped_mm=True).cuda()
+        e.init_weights(0.02)
+        saved = tt_moe._run_experts_grouped_mm
+        if method == "bf16":
+            tt_moe._run_experts_grouped_mm = compiled_bf16
+        else:
+            MXMoEGroupedExperts.convert(e, method).compile_backend = "inductor"
+        xx = x.clone().requires_grad_()
+        try:
+            out[method] = triton.testing.do_bench(lambda: e(xx, counts).backward(dy), warmup=10, rep=60)
+        finally:
+            tt_moe._run_experts_grouped_mm = saved
+        del e
+    return out
+
+
+def _merge(path: Path) -> tuple[dict, list[dict]]:
+    if path.exists():
+        d = json.loads(path.read_text())
+        if d.get("header", {}).get("suite") == SUITE:
+            return d["header"], d["rows"]
+    return {}, []
+
+
+def build_parser():
+    ap = C.parser(SUITE, __doc__)
+    ap.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(MODELS)} (default: the plan's)")
+    ap.add_argument("--methods", default=None, help=f"comma-separated, of {', '.join(METHODS)}")
+    ap.add_argument("--steps", type=int, default=None, help="training steps a run (default 110; --quick 30)")
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of the tokens/s median (compilation)")
+    ap.add_argument("--run-s", type=int, default=170, help="time limit of one run, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-experts-timing", action="store_true", help="skip the experts' timing (expert_share ...)")
+    ap.add_argument("--dry-run", action="store_true", help="parse each run's config and build it on meta (CPU)")
+    return ap
+
+
+def plan(models: str | None, methods: str | None, quick: bool) -> list[tuple[str, str]]:
+    for name, table in (("model", MODELS), ("method", METHODS)):
+        arg = models if name == "model" else methods
+        bad = [v for v in (arg or "").split(",") if v and v not in table]
+        if bad:
+            raise SystemExit(f"unknown {name}(s) {bad}; choose from {', '.join(table)}")
+    if quick:
+        return [("dsv3-16b", "bf16"), ("dsv3-16b", "mxfp8_128")]
+    base = DEFAULT_PLAN
+    if models:
+        base = [(mo, me) for mo in models.split(",") for me in (methods.split(",") if methods else METHODS)
+                if methods or (mo, me) in DEFAULT_PLAN]
+    elif methods:
+        base = [(mo, me) for mo, me in DEFAULT_PLAN if me in methods.split(",")]
+    return base
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    runs = plan(a.models, a.methods, a.quick)
+    steps = a.steps or (30 if a.quick else 110)
+    out = Path(a.out or C.default_out(SUITE))
+    if a.dry_run:
+        ensure_assets()
+        for model, method in runs:
+            print(model, method, json.dumps(dry_run(model, method)), flush=True)
+        return
+    C.require_cuda(SUITE)
+    ensure_assets()
+    head, rows = _merge(out)
+    head = {**head, **C.header(SUITE, a.quick, steps=steps, warmup=a.warmup, vocab=VOCAB,
+                                  models={k: MODELS[k] for k in {m for m, _ in runs}})}
+    logdir = out.parent / "torchtitan_logs"
+    logdir.mkdir(parents=True, exist_ok=True)
+    for model, method in runs:
+        log = logdir / f"{model}_{method.replace('+', '_')}.txt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               "-m", "torchtitan.train"] + run_args(model, method, steps, f"/tmp/tt_out/{model}_{method}", a.seed)
+        t0 = time.time()
+        with open(log, "w") as f:
+            f.write(" ".join(cmd) + "\n")
+            f.flush()
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), timeout=a.run_s).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
+               **parse_log(log.read_text(errors="replace"), a.warmup)}
+        row["graph_breaks"] = len(re.findall(r"Graph break", log.read_text(errors="replace")))
+        rows = [r for r in rows if (r.get("model"), r.get("method")) != (model, method)] + [row]
+        C.write_result(out, head, rows)
+        print(f"{model} {method}: rc {rc} tokens/s {row['tokens_per_s']} mfu {row['mfu']} "
+              f"peak {row['peak_gib']} GiB, {row['wall_s']} s", flush=True)
+    if a.no_experts_timing:
+        return
+    for model in sorted({m for m, _ in runs}):
+        methods = [me for mo, me in runs if mo == model]
+        try:
+            ms = expert_timings(model, methods)
+        except Exception as e:  # noqa: BLE001  (the timing is extra: the rows stand without it)
+            print(f"{model}: experts timing failed: {e!r}", flush=True)
+            continue
+        bf16 = next((r for r in rows if r["model"] == model and r["method"] == "bf16"), None)
+        step_ms = (MODELS[model]["seq_len"] * MODELS[model]["batch"] / bf16["tokens_per_s"] * 1e3
+                   if bf16 and bf16.get("tokens_per_s") else None)
+        s = expert_shape(model)["moe_layers"] * ms["bf16"] / step_ms if step_ms else None
+        for r in rows:
+            key = "bf16" if r["method"] == "bf16" else MX_RECIPE.get(r["method"])
+            if r["model"] != model or key not in ms:
+                continue
+            r["experts_ms"] = round(ms[key], 3)
+            r["experts_ms_bf16"] = round(ms["bf16"], 3)
+            if r["method"] in MX_RECIPE and s is not None:
+                rr = ms["bf16"] / ms[key]
+                r.update(expert_share=round(s, 4), layer_ratio=round(rr, 4),
+                         ideal_speedup=round(1 / (1 - s + s / rr), 4))
+        C.write_result(out, head, rows)
+        print(f"{model}: experts fwd+bwd ms {ms}, expert share {s}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""What the torchtitan suite adds to torchtitan 0.2.2's trainer, as its ``--job.custom_config_module``:
+
+* mxmoe's converter and ``--mxmoe.*`` options (``mxmoe.integrations.torchtitan``, re-exported ``JobConfig``);
+* cut flavors: torchtitan's published model dimensions with fewer layers, so one H200 holds the model with
+  FP32 master weights and AdamW (``CUT_FLAVORS``; added to torchtitan's own flavor tables, nothing edited);
+* ``torchao.fp8_grouped``, torchao 0.18's FP8 rowwise MoE training as a model converter: torchtitan 0.2.2's
+  ``quantize.grouped_mm.float8`` imports ``torchao.prototype.moe_training.conversion_utils.MoETrainingConfig``,
+  which torchao 0.18 no longer has; its successor is ``torchao.prototype.moe_training.config.Float8TrainingOpConfig``
+  through the same ``quantize_`` call, on the same modules (fqns containing ``experts``), with the same token-group
+  alignment (16 rows, torchtitan's padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
+
+from mxmoe.integrations.torchtitan import JobConfig  # noqa: F401  (torchtitan merges it: --mxmoe.*)
+
+# (torchtitan model name, published flavor) -> (cut flavor name, layer overrides). DeepSeek-V3 16B keeps its
+# first (dense) layer; Qwen3 and Llama-4 have MoE in every layer.
+CUT_FLAVORS = {
+    ("deepseek_v3", "16B"): ("16B-cut4", dict(n_layers=4)),  # 1 dense + 3 MoE layers of 64 experts, top-6
+    ("qwen3", "30B-A3B"): ("30B-A3B-cut4", dict(n_layers=4)),  # 4 MoE layers of 128 experts, top-8
+    ("llama4", "17bx16e"): ("17bx16e-cut2", dict(n_layers=2)),  # 2 MoE layers of 16 experts, top-1 + shared
+}
+
+
+def _flavor_table(model: str) -> dict:
+    from torchtitan.models import deepseek_v3, llama4, qwen3
+
+    return {"deepseek_v3": deepseek_v3.deepseekv3_args, "qwen3": qwen3.qwen3_args, "llama4": llama4.llama4_args}[model]
+
+
+def register_cut_flavors() -> None:
+    """Add :data:`CUT_FLAVORS` to torchtitan's flavor tables (idempotent)."""
+    for (model, flavor), (name, overrides) in CUT_FLAVORS.items():
+        table = _flavor_table(model)
+        if name not in table:
+            table[name] = dataclasses.replace(table[flavor], **overrides)
+
+
+class TorchAOFloat8GroupedConverter:
+    """``--model.converters torchao.fp8_grouped``: torchao 0.18's FP8 rowwise grouped GEMMs (dynamic rowwise
+    quantization, ``torch._scaled_grouped_mm``) on the routed experts' parameters, as torchtitan's
+    ``quantize.grouped_mm.float8`` would with an older torchao."""
+
+    def __init__(self, job_config, parallel_dims=None):
+        from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+
+        self.config = Float8TrainingOpConfig()
+        set_token_group_alignment_size_m(16)  # FP8 grouped GEMM: groups on 16 rows (torchtitan's value)
+
+    def convert(self, model) -> None:
+        from torchao.quantization.quant_api import quantize_
+
+        quantize_(model, config=self.config, filter_fn=lambda mod, fqn: "experts" in fqn)
+
+    def post_optimizer_hook(self, model) -> None:
+        pass
+
+
+register_cut_flavors()
+if "torchao.fp8_grouped" in _registry_model_converter_cls:
+    _registry_model_converter_cls["torchao.fp8_grouped"] = TorchAOFloat8GroupedConverter
+else:
+    register_model_converter(TorchAOFloat8GroupedConverter, "torchao.fp8_grouped")
