@@ -221,6 +221,8 @@ def build_parser():
     ap.add_argument("--run-s", type=int, default=170, help="time limit of one run, seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-experts-timing", action="store_true", help="skip the experts' timing (expert_share ...)")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="only the experts' timing, for the (model, method) rows already in --out")
     ap.add_argument("--dry-run", action="store_true", help="parse each run's config and build it on meta (CPU)")
     return ap
 
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                                   models={k: MODELS[k] for k in {m for m, _ in runs}})}
     logdir = out.parent / "torchtitan_logs"
     logdir.mkdir(parents=True, exist_ok=True)
-    for model, method in runs:
+    for model, method in ([] if a.timing_only else runs):
         log = logdir / f"{model}_{method.replace('+', '_')}.txt"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                "-m", "torchtitan.train"] + run_args(model, method, steps, f"/tmp/tt_out/{model}_{method}", a.seed)
