@@ -189,7 +189,8 @@ def expert_timings(model: str, methods: list[str]) -> dict[str, float]:
     for method in ["bf16"] + recipes:  # keyed by recipe: "+linear_fp8" runs share their recipe's experts
         torch.manual_seed(0)
         e = tt_moe.GroupedExperts(sh["dim"], sh["hidden"], E, use_grouped_mm=True).cuda()
-        e.init_weights(0.02)
+        with torch.no_grad():
+            e.init_weights(0.02)
         saved = tt_moe._run_experts_grouped_mm
         if method == "bf16":
             tt_moe._run_experts_grouped_mm = compiled_bf16

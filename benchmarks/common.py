@@ -117,7 +117,8 @@ def peer_versions() -> dict[str, str]:
 
 def header(suite: str, quick: bool, **extra) -> dict:
     """The result file's header for a run of ``suite`` now: date (UTC), gpu, driver, cuda, torch, triton,
-    python, peers, git commit and dirty flag, the command line; ``extra`` (timing notes, settings) on top."""
+    python, peers, git commit and dirty flag, the command line; ``extra`` (timing notes, settings) on top.
+    ``MXMOE_COMMIT`` names the commit where ``git`` cannot (the device machines' copy of .git is stale)."""
     try:
         import triton
         triton_version = triton.__version__
@@ -128,8 +129,9 @@ def header(suite: str, quick: bool, **extra) -> dict:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "driver": _driver(),
             "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton_version,
             "python": platform.python_version(), "peers": peer_versions(),
-            "git": {"commit": _git("rev-parse", "--short=12", "HEAD"), "dirty": bool(status) if status is not None
-                    else None}, "quick": quick, "argv": sys.argv[1:]}
+            "git": {"commit": os.environ.get("MXMOE_COMMIT") or _git("rev-parse", "--short=12", "HEAD"),
+                    "dirty": bool(status) if status is not None and not os.environ.get("MXMOE_COMMIT") else None},
+            "quick": quick, "argv": sys.argv[1:]}
     head.update(extra)
     return head
 
