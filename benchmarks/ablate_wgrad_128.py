@@ -32,7 +32,8 @@ import triton
 
 from bench_grouped_gemm import rand_fp8
 from bench_grouped_gemm_128 import scale_1x128, scale_128x128
-from mxmoe.kernels import sm90_mxfp8_grouped_gemm as G
+from mxmoe.kernels import sm90_gemm_kernel as GK, sm90_gemm_launch as GL, sm90_gemm_promote128 as G
+from mxmoe.kernels.sm90_scales import sm90_scale_layout
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
 
 T, DIM, F, E = 32768, 2048, 4096, 8
@@ -61,7 +62,7 @@ def patch(mode: str) -> None:
                 return gl.fma(gl.reshape(p, [BMW, BN // 32, 32]), gl.expand_dims(s2, 2), acc)
             else:
                 return acc + p
-    G._promote = _promote
+    GK._promote = _promote
 
 
 def k_grouped_uniform(a, sa, b, offs, out_dtype, cfg=None):
@@ -73,13 +74,13 @@ def k_grouped_uniform(a, sa, b, offs, out_dtype, cfg=None):
     E = offs.shape[0]
     out = torch.empty(E, N, K, dtype=out_dtype, device=a.device)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
-    s_a = G.sm90_scale_layout(sa[:, ::4])
+    s_a = sm90_scale_layout(sa[:, ::4])
     s_b = torch.ones(triton.cdiv(T, 128), triton.cdiv(triton.cdiv(K, 32), 4) * 4, device=a.device)
     mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
-    grid = (min(G._num_sms(a.device), E * mt * nt), )
-    c_desc = G._out_desc(out.view(E * N, K), cfg, 32)
-    G.sm90_mxfp8_grouped_gemm_kernel[grid](
-        G._desc(a, [BM, BK]), G._desc(b, [BN, BK]), G._desc(s_a, [1, BM]), G._desc(s_b, [1, 32]),
+    grid = (min(GL._num_sms(a.device), E * mt * nt), )
+    c_desc = GL._out_desc(out.view(E * N, K), cfg, 32)
+    GK.sm90_mxfp8_grouped_gemm_kernel[grid](
+        GL._desc(a, [BM, BK]), GL._desc(b, [BN, BK]), GL._desc(s_a, [1, BM]), GL._desc(s_b, [1, 32]),
         c_desc, out, offs, offs, E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=0,
         SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4, maxnreg=cfg.maxnreg, SG=4,

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from mxmoe.formats import MXTensor  # noqa: E402
 from mxmoe.kernels.dequantize import dequantize_bf16  # noqa: E402
-from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
+from mxmoe.kernels.sm90_gemm_promote32 import (  # noqa: E402
     sm90_mxfp8_k_grouped_gemm,
     sm90_mxfp8_m_grouped_gemm,
 )

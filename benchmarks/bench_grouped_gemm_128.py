@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_grouped_gemm as B  # noqa: E402
 from mxmoe.formats import e8m0_to_float  # noqa: E402
-from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (  # noqa: E402
+from mxmoe.kernels.sm90_gemm_promote128 import (  # noqa: E402
     sm90_mx128_k_grouped_gemm,
     sm90_mx128_m_grouped_gemm,
 )

@@ -24,7 +24,7 @@ import bench_grouped_gemm as B  # noqa: E402
 import bench_grouped_gemm_128 as B128  # noqa: E402
 import bench_moe_layer as L  # noqa: E402
 import mxmoe  # noqa: E402
-import mxmoe.kernels.sm90_mxfp8_grouped_gemm as K  # noqa: E402
+import mxmoe.kernels.sm90_gemm_promote128 as K  # noqa: E402
 
 
 def host_ms(fn, n=30):

@@ -25,7 +25,8 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_grouped_gemm as B  # noqa: E402
-import mxmoe.kernels.sm90_mxfp8_grouped_gemm as K  # noqa: E402
+import mxmoe.kernels.sm90_gemm_promote128 as K  # noqa: E402
+import mxmoe.kernels.sm90_gemm_promote32 as K32  # noqa: E402
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig as C  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main():
         return lambda: K.sm90_mx128_m_grouped_gemm(a, sa128, b, sb128, offs128, torch.bfloat16, config=cfg)
 
     def ours(wb, cfg):
-        return lambda: K.sm90_mxfp8_m_grouped_gemm(a, sa, b, sb32 if wb == 32 else sb1, offs, weight_block=wb,
+        return lambda: K32.sm90_mxfp8_m_grouped_gemm(a, sa, b, sb32 if wb == 32 else sb1, offs, weight_block=wb,
                                                    config=cfg)
 
     cases = {

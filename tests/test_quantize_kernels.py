@@ -93,7 +93,7 @@ def same_bytes(got: torch.Tensor, want: torch.Tensor, what: str):
 def sm90_ref(scale: torch.Tensor) -> torch.Tensor:
     """The Hopper GEMM's scale layout of row-major scales [.., R, C]: FP32 2^(b-127) (byte 0 ->
     2^-127, 0xFF -> NaN 0x7FC00000), transposed to [.., C, ceil4(R)], zero padded (the contract of
-    sm90_mxfp8_grouped_gemm.sm90_scale_layout; the tests check both agree where it imports)."""
+    sm90_scales.sm90_scale_layout; the tests check both agree where it imports)."""
     b = scale.view(torch.uint8).to(torch.int32)
     bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
     bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)

@@ -27,7 +27,7 @@ Scale layouts (``scale_layout``), for a row-major scale matrix ``[rows, cols]`` 
 * ``"row_major"``: that matrix, ``float8_e8m0fnu`` (the reference's layout);
 * ``"blocked"``: cuBLAS 128x4 layout of :mod:`mxmoe.layouts`, zero padding included; flat ``[n]``
   for 2D inputs, ``[B, n]`` for batched ones (one blocked matrix per expert);
-* ``"sm90"``: what the Hopper grouped GEMM reads (``sm90_mxfp8_grouped_gemm.sm90_scale_layout``):
+* ``"sm90"``: what the Hopper grouped GEMM reads (``sm90_scales.sm90_scale_layout``):
   FP32 values ``2^(b-127)`` (byte 0 -> 2^-127, 0xFF -> NaN), transposed to ``[.., cols,
   ceil4(rows)]``, zero padded; for :func:`quantize_32x32` one value per tile,
   ``[.., K/32, ceil4(N/32)]`` (and ``[.., N/32, ceil4(K/32)]`` for the transposed copy).

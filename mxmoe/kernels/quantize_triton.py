@@ -109,7 +109,7 @@ def _store_scales(s_ptr, r, c, byte, n_rows, n_cols, n_col_tiles, LAYOUT: tl.con
 
     0 row-major bytes. 1 cuBLAS 128x4 blocked bytes, zero padding included (rows up to a multiple
     of 128, columns up to a multiple of 4; the caller passes byte 0 there, a zero block). 2 the
-    Hopper GEMM's layout (sm90_mxfp8_grouped_gemm.sm90_scale_layout): FP32 values 2^(b-127)
+    Hopper GEMM's layout (sm90_scales.sm90_scale_layout): FP32 values 2^(b-127)
     stored as their bits, transposed to [n_cols, ceil4(n_rows)] with zero padding; byte 0 is the
     subnormal 2^-127 (0x00400000), byte 255 a NaN (0x7FC00000).
     """

@@ -289,7 +289,7 @@ def _bf16(x, transposed=False):
 @_op
 def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         offs: torch.Tensor, out_dtype: str, weight_block: int) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote32 as g
 
     return g.sm90_mxfp8_m_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], weight_block=weight_block)
 
@@ -297,7 +297,7 @@ def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
 @_op
 def sm90_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         offs: torch.Tensor, out_dtype: str, check_offsets: bool) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote32 as g
 
     return g.sm90_mxfp8_k_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], check_offsets=check_offsets)
 
@@ -305,7 +305,7 @@ def sm90_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
 @_op
 def sm90_mx128_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                               offs: torch.Tensor, out_dtype: str) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote128 as g
 
     return g.sm90_mx128_m_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype])
 
@@ -313,7 +313,7 @@ def sm90_mx128_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
 @_op
 def sm90_mx128_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                               offs: torch.Tensor, out_dtype: str, check_offsets: bool) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote128 as g
 
     return g.sm90_mx128_k_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], check_offsets=check_offsets)
 
