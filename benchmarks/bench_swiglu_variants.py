@@ -15,7 +15,7 @@ import time
 import torch
 import triton
 
-from mxmoe.kernels import quantize as Q
+from mxmoe.kernels import quantize_fused as QF, quantize_launch as QL
 from bench_quantize import DEV, copy_tbps, nbytes
 
 SHAPES = [(32768, 7168), (131072, 2048), (16384, 5120)]  # h [M, 2F]
@@ -42,10 +42,10 @@ def run(h, kind, tile, stages, maxnreg):
     extra = dict(maxnreg=maxnreg) if maxnreg else {}
     if kind == "regfed":
         fused = dict(IN_MODE=2, SAVE_H=False, qh_ptr=qc, sh_ptr=sc, **extra)
-        fn = lambda: Q._launch_gluon(h[None], qc, sc, rows, srow, M, F, 1, row=1, col=1, layout=0, group=128,
-                                     shape=(1, M, F), fused=fused, tile=tile)
+        fn = lambda: QL._launch_gluon(h[None], qc, sc, rows, srow, M, F, 1, row=1, col=1, layout=0, group=128,
+                                      shape=(1, M, F), fused=fused, tile=tile)
     else:
-        fn = lambda: Q._launch_swiglu_tma(h, qc, sc, rows, srow, 1, tile=tile, stages=stages, **extra)
+        fn = lambda: QF._launch_swiglu_tma(h, qc, sc, rows, srow, 1, tile=tile, stages=stages, **extra)
     return fn, (rows, srow, qc, sc)
 
 
@@ -57,7 +57,7 @@ def main():
            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": []}
     for shape in SHAPES:
         h = torch.randn(shape, device=DEV).to(torch.bfloat16)  # activation-like h (NOTES_quantize.md, session 16)
-        want = Q.swiglu_quantize_128(h)[:4]
+        want = QF.swiglu_quantize_128(h)[:4]
         for name, kind, tile, stages, maxnreg in VARIANTS:
             try:
                 fn, outs = run(h, kind, tile, stages, maxnreg)

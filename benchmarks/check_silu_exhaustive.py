@@ -29,7 +29,7 @@ import torch
 import triton
 
 from bench_quantize import copy_tbps
-from mxmoe.kernels import layer, layer_triton, quantize as Q
+from mxmoe.kernels import layer, layer_triton, quantize as Q, quantize_fused as QF
 
 ALL_BF16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
 
@@ -46,7 +46,7 @@ def check_forward(dev) -> dict:
     h = torch.cat([gate, torch.ones_like(gate)], dim=1)
     want = torch.nn.functional.silu(gate) * torch.ones_like(gate)
     out = {"swiglu_kernel": mismatches(layer.swiglu(h), want)}
-    got = Q.swiglu_quantize_128(h)[:4]
+    got = QF.swiglu_quantize_128(h)[:4]
     ref = Q.quantize_dual_128(want)
     out["swiglu_quantize_128"] = sum(int((g.view(torch.uint8) != r.view(torch.uint8)).sum())
                                      for g, r in zip(got, ref))
@@ -85,7 +85,7 @@ def time_kernels(dev, sweep: bool) -> list:
         dh = torch.empty_like(h)
         fwd_bytes, bwd_bytes = 3 * M * F * 2, 5 * M * F * 2
         q_bytes = 2 * M * F2 + 2 * M * F + 2 * M * F // 32  # h in, a's FP8 both ways + scales out
-        cases = [("swiglu_128 (fused)", lambda: Q.swiglu_quantize_128(h), q_bytes),
+        cases = [("swiglu_128 (fused)", lambda: QF.swiglu_quantize_128(h), q_bytes),
                  ("swiglu + dual_128 (pair)", lambda: Q.quantize_dual_128(layer.swiglu(h)), q_bytes),
                  ("swiglu", lambda: layer.swiglu(h), fwd_bytes),
                  ("swiglu_backward", lambda: layer.swiglu_backward(da, h), bwd_bytes)]

@@ -2,9 +2,10 @@
 :mod:`mxmoe.kernels.sm90_gemm_kernel` (recipe ``mxfp8_128``, DESIGN §9).
 
 The mx128 mode (``SG=4``; :func:`sm90_mx128_m_grouped_gemm`, :func:`sm90_mx128_k_grouped_gemm`): activations /
-gradients with one scale per 128 of the contraction dim, weights one per 128x128 tile (M-grouped), or both operands one per 128 tokens (K-grouped). The same producer,
-scheduler and epilogue; the consumer's K loop (``_mainloop128``) issues each 128-deep stage as ONE wgmma
-call (four m64n128k32 chained in the tensor core into a fresh partial) and promotes once per stage::
+gradients with one scale per 128 of the contraction dim, weights one per 128x128 tile (M-grouped), or both operands
+one per 128 tokens (K-grouped). The same producer, scheduler and epilogue; the consumer's K loop (``_mainloop128``)
+issues each 128-deep stage as ONE wgmma call (four m64n128k32 chained in the tensor core into a fresh partial) and
+promotes once per stage::
 
     chains of CHAIN stages: stage j -> partial j % 2 (async); retire stage j-1 (wait(1)); promote it:
         M-grouped acc += P * (sa[m] * sb)      (sb one value per 128x128 tile: 1 FFMA per element)
