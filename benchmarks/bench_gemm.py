@@ -142,7 +142,7 @@ def _peers_k(a, b, offs, E, N, K, quick, row):
 
 def case_mx128(shape, proj, balance, quick, gen) -> list[dict]:
     """Rows of recipe mxfp8_128: fprop, dgrad, wgrad of one (shape, projection, balance)."""
-    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import sm90_mx128_k_grouped_gemm, sm90_mx128_m_grouped_gemm
+    from mxmoe.kernels.sm90_gemm_promote128 import sm90_mx128_k_grouped_gemm, sm90_mx128_m_grouped_gemm
 
     s = C.SHAPES[shape]
     E, M, (N, K) = s.experts, s.rows, s.proj(proj)
@@ -211,7 +211,7 @@ def case_mx32(shape, proj, balance, quick, gen) -> list[dict]:
     """Rows of recipe mxfp8 (exact 1x32): fprop and dgrad with 1x32 and 32x32 weights, wgrad; each beside the
     expansion route (``bf16x``)."""
     from mxmoe.kernels.dequantize import dequantize_bf16
-    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import sm90_mxfp8_k_grouped_gemm, sm90_mxfp8_m_grouped_gemm
+    from mxmoe.kernels.sm90_gemm_promote32 import sm90_mxfp8_k_grouped_gemm, sm90_mxfp8_m_grouped_gemm
 
     s = C.SHAPES[shape]
     E, M, (N, K) = s.experts, s.rows, s.proj(proj)

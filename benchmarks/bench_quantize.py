@@ -44,13 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from benchmarks import common as C  # noqa: E402
 from mxmoe.formats import quantize  # noqa: E402
 from mxmoe.kernels import layer as layer_kernels  # noqa: E402
-from mxmoe.kernels import quantize as Q  # noqa: E402
+from mxmoe.kernels import qdq as QDQ, quantize as Q, quantize_fused as QF  # noqa: E402
+from mxmoe.kernels import quantize_launch as QL, quantize_tile_config as QT  # noqa: E402
 from mxmoe.layouts import blocked_group_offsets, blocked_numel, to_blocked  # noqa: E402
 
 ACTS = [(32768, 7168), (131072, 2048), (16384, 5120)]
 WEIGHTS = [(8, 28672, 4096), (128, 1536, 2048)]
 P, NP = True, False  # persistent (prefetching) launch / one program per tile
-T = Q.TileConfig
+T = QT.TileConfig
 # Columnwise families: register-limited occupancy (NOTES_quantize.md, session 3: 212-254 registers,
 # 8 warps per SM at 64x64/w2); smaller per-thread tiles reach 12-20 warps per SM (offline sm_90
 # compile: 64x64/w4 128 registers, 32x64/w2 96, 32x128/w2 154, 32x64/w1 116; dual ~40-90 more)
@@ -144,7 +145,7 @@ def _triton_only(fn, x):
 def gluon_name(row: bool, x3: torch.Tensor) -> str:
     """The Gluon column kernel's tile for x3 (quantize._gluon_tile; ``row``: with a rowwise output)
     as a config label."""
-    g = Q._gluon_tile(row, x3)
+    g = QT._gluon_tile(row, x3)
     return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}"
 
 
@@ -154,29 +155,29 @@ def kernel_config(name: str, key, x: torch.Tensor) -> str:
     if key is None:
         return "default"
     if key in ("fused128", "swiglu128_save_h"):  # permute_quantize_128 / swiglu_quantize_128
-        if not name.endswith("_triton") and Q._use_gluon(x3):
+        if not name.endswith("_triton") and QL._use_gluon(x3):
             if name.startswith("permute"):
                 return gluon_name(True, x3)
-            g = Q._GLUON_TILES_SWIGLU[name.endswith("save_h")]
-            tma = "" if name.endswith(("save_h", "_regfed")) else f" TMA {Q._SWIGLU_TMA_STAGES}-stage"
+            g = QT._GLUON_TILES_SWIGLU[name.endswith("save_h")]
+            tma = "" if name.endswith(("save_h", "_regfed")) else f" TMA {QT._SWIGLU_TMA_STAGES}-stage"
             return f"gluon {32 * g['MB']}x{g['BK']}/w{g['WM'] * g['WK']}/tm{g['TM']}/rs{g['RS']}{tma}"
-        return cfg_name(Q._config_128_fused(key == "swiglu128_save_h"))
-    if key in ("col", "colrow", "colrow32", *GLUON_KEYS_128) and not name.endswith("_triton") and Q._use_gluon(x3):
+        return cfg_name(QT._config_128_fused(key == "swiglu128_save_h"))
+    if key in ("col", "colrow", "colrow32", *GLUON_KEYS_128) and not name.endswith("_triton") and QL._use_gluon(x3):
         return gluon_name(key not in ("col", "col128"), x3)
-    return cfg_name(Q._TUNED.get(key) or _default_cfg(key))
+    return cfg_name(QT._TUNED.get(key) or _default_cfg(key))
 
 
 def qdq_cases(x: torch.Tensor, is_weight: bool):
     """(kernel name, fn, input) of the MoE layer's QDQ kernels (--qdq): activations BF16; weights as
     the layer holds them, FP32 master weights (made here, outside the timed call)."""
     if not is_weight:
-        return [("qdq_dual", lambda: Q.qdq_dual(x), x),
-                ("qdq_dual_triton", lambda: _triton_only(Q.qdq_dual, x), x),
-                ("qdq_dual_bf16", lambda: Q.qdq_dual_bf16(x), x),
-                ("qdq_dual_bf16_triton", lambda: _triton_only(Q.qdq_dual_bf16, x), x)]
+        return [("qdq_dual", lambda: QDQ.qdq_dual(x), x),
+                ("qdq_dual_triton", lambda: _triton_only(QDQ.qdq_dual, x), x),
+                ("qdq_dual_bf16", lambda: QDQ.qdq_dual_bf16(x), x),
+                ("qdq_dual_bf16_triton", lambda: _triton_only(QDQ.qdq_dual_bf16, x), x)]
     xf = x.float()
-    return [("weight_qdq_dual_fp32", lambda: Q.qdq_dual(xf), xf),
-            ("weight_qdq_dual_fp32_triton", lambda: _triton_only(Q.qdq_dual, xf), xf),
+    return [("weight_qdq_dual_fp32", lambda: QDQ.qdq_dual(xf), xf),
+            ("weight_qdq_dual_fp32_triton", lambda: _triton_only(QDQ.qdq_dual, xf), xf),
             ("weight_columnwise_fp32", lambda: Q.quantize_columnwise(xf), xf),
             ("weight_columnwise_fp32_triton", lambda: _triton_only(Q.quantize_columnwise, xf), xf)]
 
@@ -185,9 +186,9 @@ def qdq_config(name: str, x: torch.Tensor) -> str:
     """What a --qdq case runs (the dispatch's choice unless the name forces one)."""
     x3 = x if x.dim() == 3 else x[None]
     col_only = "columnwise" in name
-    if not name.endswith("_triton") and Q._use_gluon(x3):
+    if not name.endswith("_triton") and QL._use_gluon(x3):
         return gluon_name(not col_only, x3)
-    return cfg_name(Q._TUNED["col"] if col_only else Q._config_qdq(True))
+    return cfg_name(QT._TUNED["col"] if col_only else QT._config_qdq(True))
 
 
 def cases(x: torch.Tensor, is_weight: bool):
@@ -237,7 +238,7 @@ def permutation_src(n: int, T: int, device) -> torch.Tensor:
 
 
 def cases128(x: torch.Tensor, is_weight: bool):
-    """--groups128: (kernel name, key of Q._config_128 / _TUNED, fn) of the 1x128 / 128x128 kernels for one
+    """--groups128: (kernel name, key of QT._config_128 / _TUNED, fn) of the 1x128 / 128x128 kernels for one
     input, and the 1x32 kernels they replace (timed in the same run)."""
     if not is_weight:
         # fused forms: x gathered by a permutation (top-1, so every byte of x is read once); x as h [M, 2F] of SwiGLU
@@ -249,17 +250,17 @@ def cases128(x: torch.Tensor, is_weight: bool):
             ("dual_128", "colrow128", lambda: Q.quantize_dual_128(x)),
             ("dual_128_triton", "colrow128", lambda: _triton_only(Q.quantize_dual_128, x)),
             ("dual", "colrow", lambda: Q.quantize_dual(x)),
-            ("permute_128", "fused128", lambda: Q.permute_quantize_128(x, src)),
-            ("permute_128_triton", "fused128", lambda: _triton_only(lambda t: Q.permute_quantize_128(t, src), x)),
-            ("permute_qdq", None, lambda: Q.permute_qdq(x, src)),
-            ("swiglu_128", "fused128", lambda: Q.swiglu_quantize_128(x)),
-            ("swiglu_128_regfed", "fused128", lambda: Q._launch_swiglu(x, "rceil", False, fp8_rows=True, group=128,
+            ("permute_128", "fused128", lambda: QF.permute_quantize_128(x, src)),
+            ("permute_128_triton", "fused128", lambda: _triton_only(lambda t: QF.permute_quantize_128(t, src), x)),
+            ("permute_qdq", None, lambda: QF.permute_qdq(x, src)),
+            ("swiglu_128", "fused128", lambda: QF.swiglu_quantize_128(x)),
+            ("swiglu_128_regfed", "fused128", lambda: QF._launch_swiglu(x, "rceil", False, fp8_rows=True, group=128,
                                                                           name="swiglu", tma=False)),
-            ("swiglu_128_save_h", "swiglu128_save_h", lambda: Q.swiglu_quantize_128(x, save_h=True)),
+            ("swiglu_128_save_h", "swiglu128_save_h", lambda: QF.swiglu_quantize_128(x, save_h=True)),
             # the unfused pair it could be replaced by: the layer's elementwise SwiGLU, then the dual kernel on a
             ("swiglu_then_dual_128", "colrow128", lambda: Q.quantize_dual_128(layer_kernels.swiglu(x))),
-            ("swiglu_128_triton", "fused128", lambda: _triton_only(Q.swiglu_quantize_128, x)),
-            ("swiglu_qdq", None, lambda: Q.swiglu_qdq(x)),
+            ("swiglu_128_triton", "fused128", lambda: _triton_only(QF.swiglu_quantize_128, x)),
+            ("swiglu_qdq", None, lambda: QF.swiglu_qdq(x)),
         ]
     return [
         ("weight_128x128_both", "colrow128x128", lambda: Q.quantize_128x128(x)),
@@ -367,7 +368,7 @@ SWEPT = ("rowwise", "columnwise_triton", "dual_triton", "grouped_8", "weight_row
 
 
 def cfg_name(cfg) -> str:
-    cfg = Q.TileConfig(*cfg)
+    cfg = QT.TileConfig(*cfg)
     return f"{cfg.BM}x{cfg.BK}/w{cfg.num_warps}/{'persistent' if cfg.persistent else 'grid'}"
 
 
@@ -392,7 +393,7 @@ def select_best(rows) -> dict:
     best = {}
     for key, score in geomean_scores(rows, lambda r: r["key"], lambda r: r["kernel"] in SWEPT).items():
         name = max(score, key=score.get)
-        best[key] = next(c for c in SWEEP.get(key, []) + [Q._TUNED.get(key) or _default_cfg(key)] if cfg_name(c) == name)
+        best[key] = next(c for c in SWEEP.get(key, []) + [QT._TUNED.get(key) or _default_cfg(key)] if cfg_name(c) == name)
     return best
 
 
@@ -400,7 +401,7 @@ def _precompile_worker(jobs):
     """Compile kernels by launching them on tiny inputs (same specializations as the real shapes:
     every size a multiple of 16, unit inner stride); fills triton's on-disk cache."""
     for key, cfg in jobs:
-        Q._TUNED[key] = Q.TileConfig(*cfg)
+        QT._TUNED[key] = QT.TileConfig(*cfg)
         for is_weight in (False, True):
             x = wide_randn((2, 256, 512) if is_weight else (512, 512))
             for _, k, fn in cases(x, is_weight) + cases128(x, is_weight):
@@ -425,10 +426,10 @@ def precompile(workers: int = 8, keys=None) -> None:
 
 def _default_cfg(key: str):
     if key == "grouped":
-        return Q._config_grouped()
+        return QT._config_grouped()
     if "128" in key:
-        return Q._config_128(row="row" in key, col=key.startswith("col"), tile32="128x128" in key)
-    return Q._config_2d(row="row" in key, col="col" in key, tile32=key.endswith("32"))
+        return QT._config_128(row="row" in key, col=key.startswith("col"), tile32="128x128" in key)
+    return QT._config_2d(row="row" in key, col="col" in key, tile32=key.endswith("32"))
 
 
 CEILING_TILES = [(64, 64, 2), (64, 128, 4), (128, 64, 4), (128, 128, 4), (32, 128, 2), (128, 128, 8)]
@@ -495,18 +496,25 @@ def offline_sm90(case_list, shapes, out_path: str | None, only=frozenset()) -> N
     from benchmarks.tools.offline_sm90 import install_compile_only, ptxas_and_sass
 
     compiled = install_compile_only()
-    check_inputs = Q._check
+    check_inputs = QL._check
+    launchers = (Q, QDQ, QF, QL, QT)  # (each module reads its own reference to the shared helpers)
+
+    def patch(name, value):
+        for m in launchers:
+            if hasattr(m, name):
+                setattr(m, name, value)
 
     def check_cpu(*a, **k):  # the wrappers' checks, CPU tensors accepted
-        Q._interpreting = lambda: True
+        patch("_interpreting", lambda: True)
         try:
             return check_inputs(*a, **k)
         finally:
-            Q._interpreting = lambda: False
+            patch("_interpreting", lambda: False)
 
-    Q._check, Q._interpreting = check_cpu, lambda: False
-    Q._persistent_grid = lambda kernel, args, kwargs, total, device: total
-    Q._use_gluon = lambda x3: os.environ.get("MXMOE_QUANT_GLUON", "1") != "0" and x3.stride(2) == 1
+    patch("_check", check_cpu)
+    patch("_interpreting", lambda: False)
+    patch("_persistent_grid", lambda kernel, args, kwargs, total, device: total)
+    patch("_use_gluon", lambda x3: os.environ.get("MXMOE_QUANT_GLUON", "1") != "0" and x3.stride(2) == 1)
     rows = []
     for shape, is_weight in shapes:
         x = wide_randn(shape)
@@ -597,7 +605,7 @@ def main(argv: list[str] | None = None) -> None:
         timing=("triton.testing.do_bench_cudagraph median" if CUDAGRAPH else "triton.testing.do_bench median")
         + (", rep 30 ms" if QUICK else ", rep 100 ms"),
         bytes="input read + data and scales written",
-        tuned={k: cfg_name(v) for k, v in Q._TUNED.items()},
+        tuned={k: cfg_name(v) for k, v in QT._TUNED.items()},
     )
     rows = []
     notes = []
@@ -642,10 +650,10 @@ def main(argv: list[str] | None = None) -> None:
             if args.sweep and name in ("columnwise", "dual", "weight_columnwise", "weight_1x32_both", "weight_32x32_both",
                                        "columnwise_128", "dual_128", "weight_128x128_both") \
                     and kernel_config(name, key, x).startswith("gluon"):
-                tile = Q._GLUON_TILES["col" if "columnwise" in name else "dual", x.element_size()]
+                tile = QT._GLUON_TILES["col" if "columnwise" in name else "dual", x.element_size()]
                 saved = dict(tile)
                 for (MB, BK, WM, WK, TM), RS in itertools.product(GLUON_SWEEP, GLUON_SWEEP_RS):
-                    if not Q._gluon_tile_fits(MB, BK, WM, WK, TM, RS):
+                    if not QT._gluon_tile_fits(MB, BK, WM, WK, TM, RS):
                         continue  # the kernel's layouts cannot be built from this tile
                     if "128" in name and (MB % 4 or ("columnwise" not in name and BK % 128)):
                         continue  # a 128-group would span two tiles
@@ -662,11 +670,11 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"sweep {name} gluon {MB, BK, WM, WK, TM, RS}: {type(e).__name__}: {e}", flush=True)
                 tile.update(saved)
             if args.sweep and key is not None and name in SWEPT and (not args.groups128 or "128" in name):
-                saved = Q._TUNED.get(key)
+                saved = QT._TUNED.get(key)
                 for cfg in SWEEP[key]:
                     if cfg == (saved or _default_cfg(key)):
                         continue  # timed below as "auto"
-                    Q._TUNED[key] = cfg
+                    QT._TUNED[key] = cfg
                     try:
                         out = fn()
                         sync()
@@ -676,9 +684,9 @@ def main(argv: list[str] | None = None) -> None:
                     except Exception as e:  # noqa: BLE001
                         print(f"sweep {name} {cfg}: {type(e).__name__}: {e}", flush=True)
                 if saved is None:
-                    Q._TUNED.pop(key, None)
+                    QT._TUNED.pop(key, None)
                 else:
-                    Q._TUNED[key] = saved
+                    QT._TUNED[key] = saved
             record(name, shape, total, bench_ms(fn), config="auto " + kernel_config(name, key, x), key=key)
         write_json()  # after every shape, so a run cut short keeps what it measured
         if args.qdq:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mxmoe.formats import MXTensor, quantize
-from mxmoe.kernels.sm90_mxfp8_grouped_gemm import sm90_mxfp8_k_grouped_gemm, sm90_mxfp8_m_grouped_gemm
+from mxmoe.kernels.sm90_gemm_promote32 import sm90_mxfp8_k_grouped_gemm, sm90_mxfp8_m_grouped_gemm
 from mxmoe.kernels.sm90_scales import sm90_grouped_scale_layout, sm90_scale_layout
 
 IS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -124,7 +124,7 @@ def test_grouped_scale_layout_aligns_every_group(counts, extra):
 
 
 def test_fit_box_pads_only_small_operands():
-    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import _fit_box
+    from mxmoe.kernels.sm90_gemm_launch import _fit_box
     big = torch.randn(256, 128).to(torch.float8_e4m3fn)
     assert _fit_box(big, [128, 128]) is big
     small = torch.randn(100, 96).to(torch.float8_e4m3fn)  # K < 128: the TMA box would overhang
@@ -161,7 +161,7 @@ def test_tma_store_epilogue_only_where_it_fits():
     """The TMA-store epilogue needs 16-byte aligned rows, a tensor at least one box large and room for
     its staging buffer beside the ring; everywhere else the kernel keeps masked register stores."""
     pytest.importorskip("triton.experimental.gluon")
-    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import _out_desc
+    from mxmoe.kernels.sm90_gemm_launch import _out_desc
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
     cfg = Sm90TileConfig()
     big16 = torch.empty(1024, 512, dtype=torch.bfloat16)
@@ -279,7 +279,7 @@ def test_tma_store_epilogue_matches_register_stores(weight_block, out_dtype):
     """Same products, two epilogues: tiles whose rows fill their group go out through shared memory
     and TMA stores, the rest (and everything with tma_store=False) through masked register stores.
     Bit-identical outputs, rows past offs[-1] untouched (still NaN) in both."""
-    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import _out_desc
+    from mxmoe.kernels.sm90_gemm_launch import _out_desc
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
     a, b, offs, ref, rows = _m_grouped_case([256, 0, 300, 128, 77, 0, 640], 384, 512, weight_block, extra_rows=40,
                                             seed=11)
@@ -343,7 +343,7 @@ def test_k_grouped_bitwise_rerun_and_offset_check():
 def test_k_grouped_tma_store_matches_register_stores():
     """wgrad with N not a multiple of 128: each expert's last row tile spills into the next expert's
     rows of the [E*N, K] view, so it keeps masked stores; the rest go out through TMA stores."""
-    from mxmoe.kernels.sm90_mxfp8_grouped_gemm import _out_desc
+    from mxmoe.kernels.sm90_gemm_launch import _out_desc
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
     a, b, offs, _ = _k_grouped_case([96, 0, 320, 64], 200, 384, seed=13)
     probe = torch.empty(4 * 200, 384, device="cuda")
@@ -358,7 +358,7 @@ def test_k_grouped_tma_store_matches_register_stores():
 def test_refuses_triton_releases_it_was_not_written_for(monkeypatch):
     """Under a Triton whose Gluon API differs (3.9 renamed what the kernel uses) the products stop with an
     error naming both versions instead of a compile error deep in Gluon."""
-    import mxmoe.kernels.sm90_mxfp8_grouped_gemm as G
+    import mxmoe.kernels.sm90_gemm_launch as G
 
     if not G.HAS_GLUON:
         pytest.skip("triton without Gluon")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mxmoe.formats import quantize
-from mxmoe.kernels.sm90_mxfp8_grouped_gemm import (
+from mxmoe.kernels.sm90_gemm_promote128 import (
     sm90_mx128_k_grouped_gemm,
     sm90_mx128_m_grouped_gemm,
     sm90_mx128_scale_layouts,

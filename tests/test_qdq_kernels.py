@@ -22,7 +22,7 @@ PRELUDE = r"""
 import sys, torch
 sys.path.insert(0, "tests")
 from test_quantize_kernels import wide_randn, with_special_blocks
-from mxmoe.kernels import quantize as Q
+from mxmoe.kernels import qdq as QDQ, quantize as Q, quantize_fused as QF
 from mxmoe.backend import resolve
 
 gen = torch.Generator().manual_seed(0)
@@ -72,29 +72,29 @@ for dtype in (torch.bfloat16, torch.float32, torch.float16):
         # rowwise: M not a multiple of the tile or of 32; batched; a non-contiguous view
         for x in (inputs((100, 224), dtype, False), inputs((3, 37, 96), dtype, False),
                   inputs((160, 64), dtype, False).mT):
-            same(Q.qdq_rowwise(x, rule), expand(formats.quantize(x, -1, rule)), f"rowwise {dtype} {rule}")
+            same(QDQ.qdq_rowwise(x, rule), expand(formats.quantize(x, -1, rule)), f"rowwise {dtype} {rule}")
             n += 1
         for x in (inputs((96, 160), dtype, True), inputs((2, 64, 96), dtype, True)):
             r, c = formats.quantize(x, -1, rule), formats.quantize(x, -2, rule)
             # dual: BF16 along K + FP8 along M (quantize_columnwise's layout)
-            xb, dt, st = Q.qdq_dual(x, rule)
+            xb, dt, st = QDQ.qdq_dual(x, rule)
             same(xb, expand(r), f"dual bf16 {dtype} {rule}")
             same(dt, c.data.mT, f"dual data_t {dtype} {rule}")
             same(st, c.scale.mT, f"dual scale_t {dtype} {rule}")
             # dual BF16: along K and along M (transposed)
-            xb, xbt = Q.qdq_dual_bf16(x, rule)
+            xb, xbt = QDQ.qdq_dual_bf16(x, rule)
             same(xb, expand(r), f"dual_bf16 row {dtype} {rule}")
             same(xbt, expand(c).mT, f"dual_bf16 col {dtype} {rule}")
             # 32x32 tiles (weights): BF16 along K + the transposed FP8 copy
             r2, c2 = formats.quantize(x, -1, rule, (32, 32)), formats.quantize(x, -2, rule, (32, 32))
-            xb, dt, st = Q.qdq_dual(x, rule, tile32=True)
+            xb, dt, st = QDQ.qdq_dual(x, rule, tile32=True)
             same(xb, expand(r2), f"32x32 bf16 {dtype} {rule}")
             same(xb, expand(c2), f"32x32 bf16 == along-N values {dtype} {rule}")
             same(dt, c2.data.mT, f"32x32 data_t {dtype} {rule}")
             same(st, c2.scale.mT, f"32x32 scale_t {dtype} {rule}")
             # one orientation alone (weights requantized in backward): along M transposed; 32x32 along K
-            same(Q.qdq_columnwise(x, rule), expand(c).mT, f"columnwise {dtype} {rule}")
-            same(Q.qdq_rowwise(x, rule, tile32=True), expand(r2), f"rowwise 32x32 {dtype} {rule}")
+            same(QDQ.qdq_columnwise(x, rule), expand(c).mT, f"columnwise {dtype} {rule}")
+            same(QDQ.qdq_rowwise(x, rule, tile32=True), expand(r2), f"rowwise 32x32 {dtype} {rule}")
             n += 1
 # SwiGLU fused with the dual QDQ of its output, and its autograd backward
 import torch.nn.functional as F
@@ -108,7 +108,7 @@ for M, f in ((96, 160), (64, 256)):
     for rule in ("rceil", "floor"):
         c = formats.quantize(a, 0, rule)
         for save_h in (False, True):
-            a16, dt, st, qh, sh = Q.swiglu_qdq(h, rule, save_h)
+            a16, dt, st, qh, sh = QF.swiglu_qdq(h, rule, save_h)
             same(a16, expand(formats.quantize(a, -1, rule)), f"swiglu bf16 {rule}")
             same(dt, c.data.mT, f"swiglu data_t {rule}")
             same(st, c.scale.mT, f"swiglu scale_t {rule}")
@@ -142,7 +142,7 @@ for M, f in ((96, 160), (64, 256)):
 # against MXTensor.dequantize where the FP32 products are normal (the interpreter's FP32 -> BF16
 # conversion of FP32 subnormals differs from the GPU's; the GPU tests cover them)
 x = inputs((64, 96), torch.float32, True)
-xb = Q.qdq_rowwise(x)
+xb = QDQ.qdq_rowwise(x)
 ref32 = formats.quantize(x).dequantize(torch.float32)
 ref = ref32.to(torch.bfloat16)
 normal = ref32.isfinite() & ((ref32.abs() >= 2.0**-126) | (ref32 == 0))
@@ -185,8 +185,8 @@ for T, D, E, top_k in ((45, 288, 5, 1), (45, 288, 5, 2), (70, 96, 6, 4), (0, 64,
         for rule in ("rceil", "floor"):
             for xv, src_dtype in zip(views, (torch.int64, torch.int32)):
                 src = sources(slot_rows, M, top_k).to(src_dtype)
-                got = Q.permute_qdq(xv, src, rule)
-                want = Q.qdq_dual(old_permute(xv, slot_rows, M, top_k), rule)
+                got = QF.permute_qdq(xv, src, rule)
+                want = QDQ.qdq_dual(old_permute(xv, slot_rows, M, top_k), rule)
                 for g, w, what in zip(got, want, ("bf16", "data_t", "scale_t")):
                     same(g, w, f"permute_qdq {what} T={T} top_k={top_k} {dtype} {rule}")
                 n += 1
@@ -194,7 +194,7 @@ for T, D, E, top_k in ((45, 288, 5, 1), (45, 288, 5, 2), (70, 96, 6, 4), (0, 64,
     x2 = wide_randn((T, D), torch.bfloat16, "cpu", gen).requires_grad_()
     dxp = torch.randn(M, D, generator=gen).to(torch.bfloat16)
     xp16, dt, st = ops_tokens._PermuteQDQ.apply(x2, slot_rows, M, top_k, "rceil", resolve(x2.device))
-    same(xp16, Q.qdq_dual(old_permute(x2.detach(), slot_rows, M, top_k))[0], f"autograd forward top_k={top_k}")
+    same(xp16, QDQ.qdq_dual(old_permute(x2.detach(), slot_rows, M, top_k))[0], f"autograd forward top_k={top_k}")
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(old_permute(x2, slot_rows, M, top_k), x2, dxp)
     same(got, want, f"permute backward top_k={top_k}")
@@ -345,31 +345,31 @@ def test_gpu_qdq_kernels_bit_exact(shape, dtype, rule):
     import torch
 
     from mxmoe import formats
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import qdq as QDQ, quantize as Q
     from mxmoe.kernels.dequantize import dequantize_bf16
 
     x = _gpu_inputs(shape, getattr(torch, dtype))
     d, s, dt, st = Q.quantize_dual(x, rule)
     row, col = dequantize_bf16(d, s), dequantize_bf16(dt, st)  # col: [.., K, M]
-    _same_bf16(Q.qdq_rowwise(x, rule), row, "rowwise")
-    _same_bf16(Q.qdq_rowwise(x[..., :-32], rule), dequantize_bf16(*Q.quantize_rowwise(x[..., :-32], rule)),
+    _same_bf16(QDQ.qdq_rowwise(x, rule), row, "rowwise")
+    _same_bf16(QDQ.qdq_rowwise(x[..., :-32], rule), dequantize_bf16(*Q.quantize_rowwise(x[..., :-32], rule)),
                "rowwise, strided view")
-    xb, qt, qst = Q.qdq_dual(x, rule)
+    xb, qt, qst = QDQ.qdq_dual(x, rule)
     _same_bf16(xb, row, "dual bf16")
     _same(qt, dt, "dual data_t")
     _same(qst, st, "dual scale_t")
-    xb, xbt = Q.qdq_dual_bf16(x, rule)
+    xb, xbt = QDQ.qdq_dual_bf16(x, rule)
     _same_bf16(xb, row, "dual_bf16 row")
     _same_bf16(xbt, col, "dual_bf16 col")
-    _same_bf16(Q.qdq_columnwise(x, rule), col, "columnwise")
+    _same_bf16(QDQ.qdq_columnwise(x, rule), col, "columnwise")
     d2, s2, dt2, st2 = Q.quantize_32x32(x, rule)
-    _same_bf16(Q.qdq_rowwise(x, rule, tile32=True), dequantize_bf16(d2, s2), "rowwise 32x32")
-    xb, qt, qst = Q.qdq_dual(x, rule, tile32=True)
+    _same_bf16(QDQ.qdq_rowwise(x, rule, tile32=True), dequantize_bf16(d2, s2), "rowwise 32x32")
+    xb, qt, qst = QDQ.qdq_dual(x, rule, tile32=True)
     _same_bf16(xb, dequantize_bf16(d2, s2), "32x32 bf16")
     _same(qt, dt2, "32x32 data_t")
     _same(qst, st2, "32x32 scale_t")
     ref = formats.quantize(x.cpu(), -1, rule).dequantize(torch.float32).to(torch.bfloat16)
-    _same_bf16(Q.qdq_rowwise(x, rule), ref, "rowwise vs CPU reference")
+    _same_bf16(QDQ.qdq_rowwise(x, rule), ref, "rowwise vs CPU reference")
 
 
 @pytest.mark.gpu
@@ -382,15 +382,15 @@ def test_gpu_gluon_qdq_equals_triton(shape, dtype, monkeypatch):
     import torch
 
     from mxmoe import formats
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import qdq as QDQ, quantize_launch as QL
 
     x = _gpu_inputs(shape, getattr(torch, dtype))
-    if not Q._use_gluon(x if x.dim() == 3 else x[None]):
+    if not QL._use_gluon(x if x.dim() == 3 else x[None]):
         pytest.skip("the Gluon kernel is not used on this GPU")
     for rule in ("rceil", "floor"):
-        got = Q.qdq_dual(x, rule) + (Q.qdq_columnwise(x, rule),) + Q.qdq_dual_bf16(x, rule)
+        got = QDQ.qdq_dual(x, rule) + (QDQ.qdq_columnwise(x, rule),) + QDQ.qdq_dual_bf16(x, rule)
         monkeypatch.setenv("MXMOE_QUANT_GLUON", "0")
-        want = Q.qdq_dual(x, rule) + (Q.qdq_columnwise(x, rule),) + Q.qdq_dual_bf16(x, rule)
+        want = QDQ.qdq_dual(x, rule) + (QDQ.qdq_columnwise(x, rule),) + QDQ.qdq_dual_bf16(x, rule)
         monkeypatch.delenv("MXMOE_QUANT_GLUON")
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             (_same_bf16 if g.dtype == torch.bfloat16 else _same)(g, w, f"output {i} {rule}: Gluon vs Triton")
@@ -489,16 +489,16 @@ def test_gpu_swiglu_qdq_equals_composition(shape):
     import torch
     import torch.nn.functional as F
 
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import qdq as QDQ, quantize as Q, quantize_fused as QF
 
     g = torch.Generator().manual_seed(3)
     h = (torch.randn(*shape, generator=g) * 4).to(torch.bfloat16).cuda()
     gate, up = h.split(shape[1] // 2, -1)
     a = F.silu(gate) * up
     for rule in ("rceil", "floor"):
-        want = Q.qdq_dual(a, rule)
+        want = QDQ.qdq_dual(a, rule)
         for save_h in (False, True):  # two tile configs (_TUNED "swiglu", "swiglu_save_h")
-            got = Q.swiglu_qdq(h, rule, save_h)
+            got = QF.swiglu_qdq(h, rule, save_h)
             for x, y, what in zip(got, want, ("a bf16", "data_t", "scale_t")):
                 _same(x, y, f"swiglu {what} {rule} save_h={save_h}")
         hq_data, hq_scale = Q.quantize_rowwise(h, rule)  # h kept for backward as MXFP8 (swiglu_input_fp8)
@@ -546,7 +546,7 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
     from mxmoe import ops
 
     from mxmoe.ops import activation, linear, tokens as ops_tokens  # noqa: F401
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import qdq as QDQ, quantize_fused as QF
     from mxmoe.moe import permute_plan
 
     E = 16
@@ -559,7 +559,7 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
         x2 = _gpu_inputs((tokens, dim), dtype)
         for xv in (x2, torch.cat([x2, x2], 1)[:, dim:]):
             for rule in ("rceil", "floor"):
-                got, want = Q.permute_qdq(xv, src, rule), Q.qdq_dual(_old_permute(xv, slot_rows, M, top_k), rule)
+                got, want = QF.permute_qdq(xv, src, rule), QDQ.qdq_dual(_old_permute(xv, slot_rows, M, top_k), rule)
                 for a, b, what in zip(got, want, ("bf16", "data_t", "scale_t")):
                     _same(a, b, f"permute_qdq {what} {dtype} {rule}")
     x2 = torch.randn(tokens, dim, generator=g).to(torch.bfloat16).cuda().requires_grad_()
@@ -568,7 +568,7 @@ def test_gpu_permute_qdq_equals_composition(tokens, dim, top_k):
     (got,) = torch.autograd.grad(xp16, x2, dxp)
     (want,) = torch.autograd.grad(_old_permute(x2, slot_rows, M, top_k), x2, dxp)
     _same(got, want, "permute backward")
-    empty = Q.permute_qdq(x2[:0].detach(), torch.full((64,), -1, dtype=torch.int32, device="cuda"), "rceil")
+    empty = QF.permute_qdq(x2[:0].detach(), torch.full((64,), -1, dtype=torch.int32, device="cuda"), "rceil")
     assert not empty[0].any() and not empty[1].view(torch.uint8).any() and not empty[2].view(torch.uint8).any()
 
 

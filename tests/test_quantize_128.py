@@ -28,8 +28,8 @@ for p in (REPO, os.path.join(REPO, "tests")):
         sys.path.insert(0, p)
 
 from mxmoe.formats import quantize  # noqa: E402
-from test_quantize_kernels import (_ref_input, run_cases, run_interpreted_cases, same_bytes,  # noqa: E402
-                                   scale_ref, sm90_ref, wide_randn, with_special_blocks)
+from test_quantize_kernels import (_ref_input, patch_launchers, run_cases, run_interpreted_cases,  # noqa: E402
+                                   same_bytes, scale_ref, sm90_ref, wide_randn, with_special_blocks)
 
 RULES = ("rceil", "floor")
 LAYOUTS = ("row_major", "blocked", "sm90")
@@ -183,6 +183,8 @@ def _case_noncontiguous(Q, dev, gen):
 
 def _case_permute_128(Q, dev, gen):
     """permute_quantize_128 = quantize_dual_128 of the gathered buffer x[src] (zero rows for src -1)."""
+    from mxmoe.kernels import quantize_fused as QF
+
     T, K, M = 150, 256, 384
     for dt, rule in ((torch.bfloat16, "rceil"), (torch.float32, "floor"), (torch.bfloat16, "floor")):
         x = special(wide_randn((T, K), dt, "cpu", gen), -1)
@@ -192,19 +194,21 @@ def _case_permute_128(Q, dev, gen):
         src[5] = T + 3  # outside [0, T): a zero row too
         xp = torch.where(((src >= 0) & (src < T))[:, None], x[src.clamp(0, T - 1)], 0)
         for s_dt in (torch.int32, torch.int64):
-            out = Q.permute_quantize_128(x.to(dev), src.to(s_dt).to(dev), rule)
+            out = QF.permute_quantize_128(x.to(dev), src.to(s_dt).to(dev), rule)
             check_dual(Q, xp, rule, "row_major", f"permute {dt} {rule} {s_dt}", out=out)
     xt = wide_randn((K, T), torch.bfloat16, "cpu", gen).t()  # [T, K], strides (1, T)
     src = torch.randint(-1, T, (128,), generator=gen, dtype=torch.int32)
     xp = torch.where((src >= 0)[:, None], xt[src.clamp(0)], 0)
-    check_dual(Q, xp, "rceil", "row_major", "permute strided x", out=Q.permute_quantize_128(xt.to(dev), src.to(dev)))
-    out = Q.permute_quantize_128(xt[:0].to(dev), torch.full((128,), -1, dtype=torch.int32).to(dev))  # no tokens
+    check_dual(Q, xp, "rceil", "row_major", "permute strided x", out=QF.permute_quantize_128(xt.to(dev), src.to(dev)))
+    out = QF.permute_quantize_128(xt[:0].to(dev), torch.full((128,), -1, dtype=torch.int32).to(dev))  # no tokens
     check_dual(Q, torch.zeros(128, K, dtype=xt.dtype), "rceil", "row_major", "permute no tokens", out=out)
 
 
 def _case_swiglu_128(Q, dev, gen):
     """swiglu_quantize_128 = quantize_dual_128 of F.silu(gate) * up (torch's BF16 math), h's rows 1x128."""
     import torch.nn.functional as F
+
+    from mxmoe.kernels import quantize_fused as QF
 
     for M, f in ((256, 256), (128, 384)):
         h = (wide_randn((M, 2 * f), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
@@ -217,7 +221,7 @@ def _case_swiglu_128(Q, dev, gen):
         a = F.silu(gate) * up  # on the device: the kernel matches torch's math there (CUDA expf on the GPU)
         for rule in RULES:
             for save_h in (False, True):
-                out = Q.swiglu_quantize_128(h.to(dev), rule, save_h)
+                out = QF.swiglu_quantize_128(h.to(dev), rule, save_h)
                 check_dual(Q, a, rule, "row_major", f"swiglu {M}x{f} {rule}", out=out[:4])
                 if save_h:
                     hq = ref(h, -1, rule)
@@ -228,7 +232,7 @@ def _case_swiglu_128(Q, dev, gen):
     wide = (wide_randn((128, 1024), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
     h = wide[:, 256:768]  # a column slice: row stride 1024
     gate, up = h.to(dev).split(256, -1)
-    out = Q.swiglu_quantize_128(h.to(dev), "rceil", True)
+    out = QF.swiglu_quantize_128(h.to(dev), "rceil", True)
     check_dual(Q, F.silu(gate) * up, "rceil", "row_major", "swiglu strided h", out=out[:4])
     same_bytes(out[4], ref(h, -1, "rceil").data, "swiglu strided h data")
 
@@ -274,7 +278,7 @@ def test_interpreter(interpreter_results, case):
 def test_input_errors():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("CPU tensors are accepted by the interpreter")
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize as Q, quantize_fused as QF
 
     meta = {"device": "meta"}
     with pytest.raises(ValueError, match="CUDA"):
@@ -295,37 +299,37 @@ def test_input_errors():
         Q.quantize_dual_128(torch.randn(128, 128, **meta).to(torch.int32))
     src = torch.zeros(192, dtype=torch.int32, **meta)
     with pytest.raises(ValueError, match="divisible by 128"):
-        Q.permute_quantize_128(torch.randn(10, 128, **meta), src)
+        QF.permute_quantize_128(torch.randn(10, 128, **meta), src)
     with pytest.raises(ValueError, match="divisible by 128"):
-        Q.permute_quantize_128(torch.randn(10, 96, **meta), src[:128])
+        QF.permute_quantize_128(torch.randn(10, 96, **meta), src[:128])
     with pytest.raises(TypeError, match="src"):
-        Q.permute_quantize_128(torch.randn(10, 128, **meta), src[:128].float())
+        QF.permute_quantize_128(torch.randn(10, 128, **meta), src[:128].float())
     with pytest.raises(ValueError, match="F % 128"):
-        Q.swiglu_quantize_128(torch.randn(128, 192, **meta).to(torch.bfloat16))
+        QF.swiglu_quantize_128(torch.randn(128, 192, **meta).to(torch.bfloat16))
     with pytest.raises(ValueError, match="divisible by 128"):
-        Q.swiglu_quantize_128(torch.randn(96, 256, **meta).to(torch.bfloat16))
+        QF.swiglu_quantize_128(torch.randn(96, 256, **meta).to(torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
-        Q.swiglu_quantize_128(torch.randn(128, 256, **meta))
+        QF.swiglu_quantize_128(torch.randn(128, 256, **meta))
 
 
 def test_tile_configs_fit_the_groups():
     """Every GROUP 128 launch config holds whole groups: BK % 128 == 0 with a row output, BM % 128 == 0
     with a column output or tiles."""
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize_tile_config as QT
 
-    for key, cfg in Q._DEFAULT_128.items():
-        cfg = Q._TUNED.get(key) or cfg
+    for key, cfg in QT._DEFAULT_128.items():
+        cfg = QT._TUNED.get(key) or cfg
         row, col = "row" in key, key.startswith("col")
         if row:
             assert cfg.BK % 128 == 0, key
         if col or "128x128" in key:
             assert cfg.BM % 128 == 0, key
-    for (fam, width), g in Q._GLUON_TILES.items():  # the Gluon kernel with GROUP 128
+    for (fam, width), g in QT._GLUON_TILES.items():  # the Gluon kernel with GROUP 128
         assert g["MB"] % 4 == 0, (fam, width)
         if fam == "dual":
             assert g["BK"] % 128 == 0, (fam, width)
-    for save_h, g in Q._GLUON_TILES_SWIGLU.items():  # the SwiGLU input mode: dual outputs, 128 groups
-        assert Q._gluon_tile_fits(**g) and g["MB"] % 4 == 0 and g["BK"] % 128 == 0, save_h
+    for save_h, g in QT._GLUON_TILES_SWIGLU.items():  # the SwiGLU input mode: dual outputs, 128 groups
+        assert QT._gluon_tile_fits(**g) and g["MB"] % 4 == 0 and g["BK"] % 128 == 0, save_h
 
 
 def test_gluon_launch_contract_128(monkeypatch):
@@ -333,7 +337,7 @@ def test_gluon_launch_contract_128(monkeypatch):
     outputs it returns, the tile grid, and the fused input modes' arguments."""
     from types import SimpleNamespace
 
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize as Q, quantize_fused as QF, quantize_tile_config as QT
 
     calls = []
 
@@ -341,15 +345,15 @@ def test_gluon_launch_contract_128(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: calls.append((grid, args, kw))
 
-    monkeypatch.setattr(Q, "_interpreting", lambda: True)  # CPU tensors pass _check
-    monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
+    patch_launchers(monkeypatch, "_interpreting", lambda: True)  # CPU tensors pass _check
+    patch_launchers(monkeypatch, "_use_gluon", lambda x3: True)
     tma_calls = []
 
     class TmaRecorder:
         def __getitem__(self, grid):
             return lambda *args, **kw: tma_calls.append((grid, args, kw))
 
-    monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder(),
+    patch_launchers(monkeypatch, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder(),
                                                              mx_swiglu_quantize_tma_kernel=TmaRecorder()))
 
     def launch(fn, *a):
@@ -371,7 +375,7 @@ def test_gluon_launch_contract_128(monkeypatch):
     assert kw["TILE32"] and len(out) == 4 and out[2].shape == (2, 128, 256)
 
     src = torch.arange(256, dtype=torch.int32)
-    (d, s_, dt, st), grid, args, kw = launch(Q.permute_quantize_128, x[:100], src)
+    (d, s_, dt, st), grid, args, kw = launch(QF.permute_quantize_128, x[:100], src)
     assert kw["IN_MODE"] == 1 and kw["src_ptr"] is not None and kw["T"] == 100 and (args[5], args[6]) == (256, 384)
     assert d.shape == (256, 384) and s_.shape == (256, 12) and dt.shape == (384, 256) and grid == (2 * 3,)
     assert args[3].data_ptr() == d.data_ptr() and args[4].data_ptr() == s_.data_ptr()
@@ -381,7 +385,7 @@ def test_gluon_launch_contract_128(monkeypatch):
     h = torch.randn(256, 768, dtype=torch.bfloat16)
     tma_calls.clear()
     calls.clear()
-    out = Q.swiglu_quantize_128(h, "floor")
+    out = QF.swiglu_quantize_128(h, "floor")
     assert len(tma_calls) == 1 and not calls
     grid, args, kw = tma_calls[0]
     desc = args[0]
@@ -389,26 +393,26 @@ def test_gluon_launch_contract_128(monkeypatch):
     assert list(desc.block_shape) == [128, 128] and list(desc.strides) == [768, 1]
     assert [a.data_ptr() for a in args[1:5]] == [out[2].data_ptr(), out[3].data_ptr(), out[0].data_ptr(),
                                                  out[1].data_ptr()]
-    assert args[5:] == (256, 384, 0) and kw["GROUP"] == 128 and kw["STAGES"] == Q._SWIGLU_TMA_STAGES
-    g = Q._GLUON_TILES_SWIGLU[False]
+    assert args[5:] == (256, 384, 0) and kw["GROUP"] == 128 and kw["STAGES"] == QT._SWIGLU_TMA_STAGES
+    g = QT._GLUON_TILES_SWIGLU[False]
     assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"] and 1 <= grid[0] <= 6
     # a base address TMA cannot take (2 bytes off 16) keeps the register-fed kernel
     odd = torch.randn(256, 769, dtype=torch.bfloat16)[:, 1:]
-    assert not Q._tma_ready(odd) and Q._tma_ready(h)
-    assert not Q._tma_ready(h[:1].expand(256, 768))  # rows that overlap (row pitch 0): not a TMA box grid
+    assert not QF._tma_ready(odd) and QF._tma_ready(h)
+    assert not QF._tma_ready(h[:1].expand(256, 768))  # rows that overlap (row pitch 0): not a TMA box grid
     tma_calls.clear()
-    launch(Q.swiglu_quantize_128, odd, "rceil", False)
+    launch(QF.swiglu_quantize_128, odd, "rceil", False)
     assert not tma_calls
     for save_h in (False, True):
         if not save_h:
-            monkeypatch.setattr(Q, "_tma_ready", lambda h: False)
+            patch_launchers(monkeypatch, "_tma_ready", lambda h: False)
         else:
             monkeypatch.undo()  # (restores everything; set the recorders again)
-            monkeypatch.setattr(Q, "_interpreting", lambda: True)
-            monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
-            monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
-        out, grid, args, kw = launch(Q.swiglu_quantize_128, h, "rceil", save_h)
-        g = Q._GLUON_TILES_SWIGLU[save_h]
+            patch_launchers(monkeypatch, "_interpreting", lambda: True)
+            patch_launchers(monkeypatch, "_use_gluon", lambda x3: True)
+            patch_launchers(monkeypatch, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
+        out, grid, args, kw = launch(QF.swiglu_quantize_128, h, "rceil", save_h)
+        g = QT._GLUON_TILES_SWIGLU[save_h]
         assert kw["IN_MODE"] == 2 and kw["SAVE_H"] == save_h and (args[5], args[6]) == (256, 384)
         assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
         assert [tuple(t.shape) for t in out] == [(256, 384), (256, 12), (384, 256), (384, 8)] + (
@@ -463,7 +467,7 @@ def test_gpu_cases(case):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_real_shapes(dtype):
     """Activations 4096 x 7168 and weights 4 x 1536 x 2048, every 128 kernel, both rules, bit-exact."""
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize as Q, quantize_fused as QF
 
     gen = torch.Generator().manual_seed(8)
     x = special(wide_randn((4096, 7168), dtype, "cpu", gen), -1).cuda()
@@ -478,7 +482,7 @@ def test_gpu_real_shapes(dtype):
         check_128x128(Q, w, rule, "row_major", "weights rows only", transposed=False)
         src = torch.randint(-1, 4096, (8192,), generator=gen).cuda()  # top-2 of 4096 tokens
         xp = torch.where((src >= 0)[:, None], x[src.clamp(0)], 0)
-        check_dual(Q, xp, rule, "row_major", "permute", out=Q.permute_quantize_128(x, src, rule))
+        check_dual(Q, xp, rule, "row_major", "permute", out=QF.permute_quantize_128(x, src, rule))
     if dtype != torch.bfloat16:
         return
     import torch.nn.functional as F
@@ -486,9 +490,9 @@ def test_gpu_real_shapes(dtype):
     h = (wide_randn((4096, 2 * 2048), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16).cuda()
     a = F.silu(h[:, :2048]) * h[:, 2048:]
     for rule in RULES:
-        out = Q.swiglu_quantize_128(h, rule, False)  # the TMA-fed kernel: 512 tiles, several per program
+        out = QF.swiglu_quantize_128(h, rule, False)  # the TMA-fed kernel: 512 tiles, several per program
         check_dual(Q, a, rule, "row_major", "swiglu (TMA)", out=out[:4])
-        out = Q.swiglu_quantize_128(h, rule, True)
+        out = QF.swiglu_quantize_128(h, rule, True)
         check_dual(Q, a, rule, "row_major", "swiglu", out=out[:4])
         same_bytes(out[4], ref(h, -1, rule).data, "swiglu h data")
         same_bytes(out[5], ref(h, -1, rule).scale, "swiglu h scale")
@@ -499,7 +503,7 @@ def test_gpu_real_shapes(dtype):
 def test_gpu_gluon_equals_triton(monkeypatch):
     """On sm_90 the column family runs the Gluon kernel with GROUP 128: the same bytes as the Triton kernel
     (MXMOE_QUANT_GLUON=0) on tile-edge shapes, batches, FP16/FP32 and strided rows."""
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize as Q, quantize_fused as QF
 
     gen = torch.Generator().manual_seed(9)
     def both(fn, *args, tag):
@@ -519,18 +523,18 @@ def test_gpu_gluon_equals_triton(monkeypatch):
                     both(fn, xin, rule, tag=f"{tuple(xin.shape)} {dt} {rule}")
         if x.dim() == 2:  # the fused input modes: gathered rows, SwiGLU (bf16)
             src = torch.randint(-1, x.shape[0] + 2, (512,), generator=gen).cuda()
-            both(Q.permute_quantize_128, x, src, "rceil", tag=f"{dt}")
-            both(Q.permute_quantize_128, x[:, :128], src.int(), "floor", tag=f"{dt} column slice")
+            both(QF.permute_quantize_128, x, src, "rceil", tag=f"{dt}")
+            both(QF.permute_quantize_128, x[:, :128], src.int(), "floor", tag=f"{dt} column slice")
     h = (special(wide_randn((384, 1024), torch.float32, "cpu", gen), -1) * 2.0**-6).to(torch.bfloat16).cuda()
     for rule in RULES:
         for save_h in (False, True):
-            both(Q.swiglu_quantize_128, h, rule, save_h, tag=f"{rule} save_h={save_h}")
-            both(Q.swiglu_quantize_128, h[:, 256:768], rule, save_h, tag=f"{rule} save_h={save_h} column slice")
+            both(QF.swiglu_quantize_128, h, rule, save_h, tag=f"{rule} save_h={save_h}")
+            both(QF.swiglu_quantize_128, h[:, 256:768], rule, save_h, tag=f"{rule} save_h={save_h} column slice")
     # the TMA-fed SwiGLU kernel against the register-fed one (same tile, same math): the same bytes
     for hin in (h, h[:, 256:768], h[:128]):
         for rule in RULES:
-            got = Q.swiglu_quantize_128(hin, rule)
-            want = Q._launch_swiglu(hin, rule, False, fp8_rows=True, group=128, name="swiglu", tma=False)
+            got = QF.swiglu_quantize_128(hin, rule)
+            want = QF._launch_swiglu(hin, rule, False, fp8_rows=True, group=128, name="swiglu", tma=False)
             for g, w_ in zip(got, want):
                 same_bytes(g, w_, f"swiglu {tuple(hin.shape)} {rule}: TMA vs register-fed")
 

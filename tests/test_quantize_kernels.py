@@ -93,7 +93,7 @@ def same_bytes(got: torch.Tensor, want: torch.Tensor, what: str):
 def sm90_ref(scale: torch.Tensor) -> torch.Tensor:
     """The Hopper GEMM's scale layout of row-major scales [.., R, C]: FP32 2^(b-127) (byte 0 ->
     2^-127, 0xFF -> NaN 0x7FC00000), transposed to [.., C, ceil4(R)], zero padded (the contract of
-    sm90_mxfp8_grouped_gemm.sm90_scale_layout; the tests check both agree where it imports)."""
+    sm90_scales.sm90_scale_layout; the tests check both agree where it imports)."""
     b = scale.view(torch.uint8).to(torch.int32)
     bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
     bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
@@ -405,12 +405,23 @@ def test_import_does_not_need_triton():
     assert proc.returncode == 0, proc.stderr
 
 
+def patch_launchers(monkeypatch, name, value):
+    """Set ``name`` to ``value`` in every quantization launcher module that holds it (each reads its own reference
+    to the shared helpers: quantize, qdq, quantize_fused, quantize_launch, quantize_tile_config)."""
+    from mxmoe.kernels import qdq, quantize, quantize_fused, quantize_launch, quantize_tile_config
+
+    mods = [m for m in (quantize, qdq, quantize_fused, quantize_launch, quantize_tile_config) if hasattr(m, name)]
+    assert mods, name
+    for m in mods:
+        monkeypatch.setattr(m, name, value)
+
+
 def test_gluon_launch_contract(monkeypatch):
     """What the sm_90 dispatch hands the Gluon column kernel (recorded, not run: CPU): the output
     buffers it returns, their shapes and dtypes, the covered extent, the modes and scale strides."""
     from types import SimpleNamespace
 
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import qdq as QDQ, quantize as Q, quantize_tile_config as QT
     from mxmoe.layouts import blocked_numel
 
     calls = []
@@ -419,9 +430,9 @@ def test_gluon_launch_contract(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: calls.append((grid, args, kw))
 
-    monkeypatch.setattr(Q, "_interpreting", lambda: True)  # CPU tensors pass _check
-    monkeypatch.setattr(Q, "_use_gluon", lambda x3: True)
-    monkeypatch.setattr(Q, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
+    patch_launchers(monkeypatch, "_interpreting", lambda: True)  # CPU tensors pass _check
+    patch_launchers(monkeypatch, "_use_gluon", lambda x3: True)
+    patch_launchers(monkeypatch, "_gluon", lambda: SimpleNamespace(mx_quantize_cols_kernel=Recorder()))
 
     def launch(fn, x, *a):
         calls.clear()
@@ -431,7 +442,7 @@ def test_gluon_launch_contract(monkeypatch):
         x3, qc, sc, qr, sr, M, K, m_cover, k_cover, sxb, sxm, sc_b, sr_b, rceil = args
         assert x3.data_ptr() == x.data_ptr() and (M, K) == tuple(x.shape[-2:]) and (sxb, sxm) == tuple(x3.stride()[:2])
         assert rceil == 1 and kw["VEC"] == 8  # 8 elements per thread per load, FP32 included
-        g = Q._gluon_tile(kw["ROW"], x3)
+        g = QT._gluon_tile(kw["ROW"], x3)
         assert g["RS"] == 32 or x.element_size() == 2  # FP32 input: 32 rows per thread in the column layout
         assert all(kw[k] == v for k, v in g.items()) and kw["num_warps"] == g["WM"] * g["WK"]
         assert grid == (x3.shape[0] * -(-m_cover // (32 * g["MB"])) * -(-k_cover // g["BK"]),)
@@ -452,11 +463,11 @@ def test_gluon_launch_contract(monkeypatch):
     assert st.dtype == s_.dtype == torch.float32 and (sc_b, sr_b) == (st.numel(), s_.numel())
 
     x = torch.randn(64, 96, dtype=torch.bfloat16)
-    (xb, dt, st), (qc, sc, qr, _, mc, kc, sc_b, _), kw = launch(Q.qdq_dual, x)
+    (xb, dt, st), (qc, sc, qr, _, mc, kc, sc_b, _), kw = launch(QDQ.qdq_dual, x)
     assert (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (2, 1, 0) and (mc, kc) == (64, 96)
     assert xb.data_ptr() == qr.data_ptr() and xb.dtype == torch.bfloat16 and xb.shape == (64, 96)
     assert dt.data_ptr() == qc.data_ptr() and st.data_ptr() == sc.data_ptr() and sc_b == 96 * 2
-    (xb, xbt), (qc, _, qr, _, _, _, _, _), kw = launch(Q.qdq_dual_bf16, x)
+    (xb, xbt), (qc, _, qr, _, _, _, _, _), kw = launch(QDQ.qdq_dual_bf16, x)
     assert (kw["ROW"], kw["COL"]) == (2, 2) and xbt.data_ptr() == qc.data_ptr() and xbt.shape == (96, 64)
     assert qc.dtype == torch.bfloat16 and xb.data_ptr() == qr.data_ptr() and not kw["TILE32"]
 
@@ -465,7 +476,7 @@ def test_gluon_launch_contract(monkeypatch):
     assert kw["TILE32"] and (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (1, 1, 2) and (mc, kc) == (128, 128)
     assert d.data_ptr() == qr.data_ptr() and dt.data_ptr() == qc.data_ptr() and dt.shape == (2, 96, 64)
     assert s_.shape == (2, 3, 4) and st.shape == (2, 2, 4) and (sr_b, sc_b) == (12, 8)  # [K/32, ceil4(M/32)]
-    (xb, dt, st), (qc, sc, qr, _, mc, kc, sc_b, _), kw = launch(Q.qdq_dual, w, True)
+    (xb, dt, st), (qc, sc, qr, _, mc, kc, sc_b, _), kw = launch(QDQ.qdq_dual, w, True)
     assert kw["TILE32"] and (kw["ROW"], kw["COL"], kw["LAYOUT"]) == (2, 1, 0) and (mc, kc) == (64, 96)
     assert xb.data_ptr() == qr.data_ptr() and dt.data_ptr() == qc.data_ptr() and st.shape == (2, 96, 2)
 
@@ -473,17 +484,17 @@ def test_gluon_launch_contract(monkeypatch):
 def test_gluon_tiles_fit_the_kernel_layouts():
     """Every tile of quantize._GLUON_TILES meets quantize_gluon's layout rules (its docstring): checked here,
     on CPU, so a new tile fails before it reaches a GPU."""
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize_tile_config as QT
 
-    assert {fam for fam, _ in Q._GLUON_TILES} == {"col", "dual"} and {w for _, w in Q._GLUON_TILES} == {2, 4}
-    for key, t in Q._GLUON_TILES.items():
-        assert set(t) == {"MB", "BK", "WM", "WK", "TM", "RS"} and Q._gluon_tile_fits(**t), key
+    assert {fam for fam, _ in QT._GLUON_TILES} == {"col", "dual"} and {w for _, w in QT._GLUON_TILES} == {2, 4}
+    for key, t in QT._GLUON_TILES.items():
+        assert set(t) == {"MB", "BK", "WM", "WK", "TM", "RS"} and QT._gluon_tile_fits(**t), key
         assert (key[1] == 4) <= (t["RS"] == 32), key  # FP32 input keeps 32 rows per thread (session 8)
     # the rule itself: each clause refuses a tile that breaks only it
     ok = dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16)
-    assert Q._gluon_tile_fits(**ok)
+    assert QT._gluon_tile_fits(**ok)
     for bad in (dict(TM=32), dict(RS=12), dict(MB=2), dict(BK=96), dict(WK=64), dict(BK=512), dict(TM=3)):
-        assert not Q._gluon_tile_fits(**dict(ok, **bad)), bad
+        assert not QT._gluon_tile_fits(**dict(ok, **bad)), bad
 
 
 def test_input_errors():
@@ -566,11 +577,11 @@ def test_gpu_real_shapes(dtype):
 def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
     """The Gluon columnwise/dual/32x32 kernel (taken on sm_90): bit-exact against the reference and equal
     to the Triton kernel (MXMOE_QUANT_GLUON=0) on tile-edge shapes, batches, FP16/FP32, strided rows."""
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize as Q, quantize_launch as QL
 
     gen = torch.Generator().manual_seed(5)
     big = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), 0).cuda()
-    if not Q._use_gluon(big[None]):
+    if not QL._use_gluon(big[None]):
         pytest.skip("the Gluon kernel is not used on this GPU")
     wide = wide_randn((256, 520), torch.float32, "cpu", gen).cuda()
     inputs = {
@@ -608,9 +619,9 @@ def test_gpu_gluon_columnwise_and_dual(layout, monkeypatch):
 @pytest.mark.parametrize("key", ["row", "col", "colrow", "colrow32", "grouped"])
 def test_gpu_tuned_configs(key):
     """Every tile config in use (quantize._TUNED, from the H200 sweeps) on real-size inputs, bit-exact."""
-    from mxmoe.kernels import quantize as Q
+    from mxmoe.kernels import quantize as Q, quantize_tile_config as QT
 
-    assert key in Q._TUNED
+    assert key in QT._TUNED
     gen = torch.Generator().manual_seed(11)
     x = with_special_blocks(wide_randn((2048, 7168), torch.bfloat16, "cpu", gen), -1).cuda()
     w = wide_randn((4, 1536, 2048), torch.bfloat16, "cpu", gen).cuda()

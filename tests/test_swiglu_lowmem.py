@@ -97,11 +97,11 @@ for M, f, colmajor in [(160, 32, False), (32, 1056, False), (96, 288, True)]:
     if colmajor:
         h = h.mT.contiguous().mT
     for rule in ("rceil", "floor"):
-        a16, dt, st, qh, sh = Q.swiglu_qdq(h, rule, True)
+        a16, dt, st, qh, sh = QF.swiglu_qdq(h, rule, True)
         hq = formats.quantize(h, -1, rule)
         same(qh, hq.data, f"h data {M}x{f} {rule}")
         same(sh, hq.scale, f"h scale {M}x{f} {rule}")
-        for x, y, what in zip((a16, dt, st), Q.swiglu_qdq(h, rule, False), ("a16", "data_t", "scale_t")):
+        for x, y, what in zip((a16, dt, st), QF.swiglu_qdq(h, rule, False), ("a16", "data_t", "scale_t")):
             same(x, y, f"{what} with and without save_h {M}x{f} {rule}")
 # SwiGLU backward on h's FP8 bytes: M not a multiple of the 4-row tile, F with a partial last
 # 1024-wide column tile, a zero block, a large block, tiny values

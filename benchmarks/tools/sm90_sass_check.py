@@ -25,15 +25,18 @@ from offline_sm90 import install_compile_only, ptxas_and_sass  # noqa: E402
 
 def _install_compile_only():
     """Make every kernel[grid](...) launch a compile-only warmup; returns the list the kernels land in."""
-    import mxmoe.kernels.sm90_mxfp8_grouped_gemm as G
-    G._check_sm90 = lambda t: None
-    G._num_sms = lambda device: 132
+    import mxmoe.kernels.sm90_gemm_promote32 as G32
+    import mxmoe.kernels.sm90_gemm_promote128 as G128
+    for G in (G32, G128):  # (the launchers' own references to the checks)
+        G._check_sm90 = lambda t: None
+        G._num_sms = lambda device: 132
     return install_compile_only()
 
 
 def _cases():
     """(name, thunk) pairs: each thunk calls a wrapper once on CPU tensors."""
-    import mxmoe.kernels.sm90_mxfp8_grouped_gemm as G
+    import mxmoe.kernels.sm90_gemm_promote32 as G
+    import mxmoe.kernels.sm90_gemm_promote128 as G128
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
     f8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
     M, N, K, E, T = 1024, 512, 1024, 4, 1024
@@ -56,14 +59,14 @@ def _cases():
         ("m1x32_8warp", lambda: G.sm90_mxfp8_m_grouped_gemm(a, asc, b, bsc, offs, torch.bfloat16, 1,
                                                             config=Sm90TileConfig(split_wg=False))),
     ]
-    if hasattr(G, "sm90_mx128_m_grouped_gemm"):
+    if hasattr(G128, "sm90_mx128_m_grouped_gemm"):
         cases += [
-            ("m128_bf16", lambda: G.sm90_mx128_m_grouped_gemm(a, asc, b, bsc, offs, torch.bfloat16)),
-            ("m128_fp32", lambda: G.sm90_mx128_m_grouped_gemm(a, asc, b, bsc, offs, torch.float32)),
-            ("k128_fp32", lambda: G.sm90_mx128_k_grouped_gemm(ka, kas, kb, kbs, offs, torch.float32,
-                                                              check_offsets=False)),
-            ("k128_bf16", lambda: G.sm90_mx128_k_grouped_gemm(ka, kas, kb, kbs, offs, torch.bfloat16,
-                                                              check_offsets=False)),
+            ("m128_bf16", lambda: G128.sm90_mx128_m_grouped_gemm(a, asc, b, bsc, offs, torch.bfloat16)),
+            ("m128_fp32", lambda: G128.sm90_mx128_m_grouped_gemm(a, asc, b, bsc, offs, torch.float32)),
+            ("k128_fp32", lambda: G128.sm90_mx128_k_grouped_gemm(ka, kas, kb, kbs, offs, torch.float32,
+                                                                 check_offsets=False)),
+            ("k128_bf16", lambda: G128.sm90_mx128_k_grouped_gemm(ka, kas, kb, kbs, offs, torch.bfloat16,
+                                                                 check_offsets=False)),
         ]
     return cases
 

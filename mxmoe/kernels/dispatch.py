@@ -2,9 +2,10 @@
 names for the case, or returns None so the caller runs the torch reference.
 
 The backend (:mod:`mxmoe.backend`) decides the routes; this module maps them onto the kernels:
-Triton quantization kernels (:mod:`mxmoe.kernels.quantize`), the Hopper grouped GEMM
-(:mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm`) and, on Blackwell, PyTorch's block-scaled grouped
-product (:mod:`mxmoe.kernels.sm100`).
+Triton quantization kernels (:mod:`mxmoe.kernels.quantize`, :mod:`mxmoe.kernels.qdq`,
+:mod:`mxmoe.kernels.quantize_fused`), the Hopper grouped GEMM (:mod:`mxmoe.kernels.sm90_gemm_promote32`,
+:mod:`mxmoe.kernels.sm90_gemm_promote128`) and, on Blackwell, PyTorch's block-scaled grouped product
+(:mod:`mxmoe.kernels.sm100`).
 """
 
 from __future__ import annotations

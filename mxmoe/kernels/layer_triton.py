@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mxmoe.kernels.quantize_triton import _expand_e4m3, _silu_mul_bf16, _to_bf16, _to_f32
+from mxmoe.kernels.qdq_triton import _expand_e4m3
+from mxmoe.kernels.quantize_fused_triton import _silu_mul_bf16, _to_bf16
+from mxmoe.kernels.quantize_triton import _to_f32
 
 
 @triton.jit
@@ -109,7 +111,7 @@ def _swiglu_grads_bf16(da_raw, gate_raw, up_raw, SOFT: tl.constexpr):
     op for op: d_up = bf16(da * bf16(silu(g))); d_gate = silu_backward(bf16(da * up), g), i.e. in
     FP32 ``t * s * (1 + g * (1 - s))`` with s = 1 / (1 + exp(-g)) (the inner ``1 + g*(1-s)`` one
     FMA, as nvcc contracts it), rounded to BF16. silu and the exp/division are those of
-    quantize_triton._silu_mul_bf16 (CUDA's expf, IEEE division; numpy's under the interpreter)."""
+    quantize_fused_triton._silu_mul_bf16 (CUDA's expf, IEEE division; numpy's under the interpreter)."""
     g = _to_f32(gate_raw)
     da = _to_f32(da_raw)
     if SOFT:
@@ -141,7 +143,7 @@ def _swiglu_rows(h_ptr, M, F, stride_h, BR: tl.constexpr, BF: tl.constexpr):
 @triton.jit
 def swiglu_kernel(h_ptr, a_ptr, M, F, stride_h, stride_a, BR: tl.constexpr, BF: tl.constexpr, SOFT: tl.constexpr):
     """a [M, F] = silu(gate) * up of h [M, 2F] bf16 (gate = h[:, :F], up = h[:, F:]), as torch
-    computes ``F.silu(gate) * up`` in BF16 (quantize_triton._silu_mul_bf16, shared with the fused
+    computes ``F.silu(gate) * up`` in BF16 (quantize_fused_triton._silu_mul_bf16, shared with the fused
     SwiGLU + QDQ kernel)."""
     r64, f, mask, gp = _swiglu_rows(h_ptr, M, F, stride_h, BR, BF)
     a = _silu_mul_bf16(tl.load(gp, mask=mask, other=0.0), tl.load(gp + F, mask=mask, other=0.0), SOFT)

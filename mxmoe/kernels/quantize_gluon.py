@@ -1,6 +1,6 @@
-"""Gluon kernel of the column-family MXFP8 outputs (the body only; :mod:`mxmoe.kernels.quantize`
-picks it for ``quantize_columnwise``, ``quantize_dual``, ``qdq_dual`` and ``qdq_dual_bf16`` on sm_90
-and falls back to the Triton kernels elsewhere).
+"""Gluon kernel of the column-family MXFP8 outputs (the body only; :mod:`mxmoe.kernels.quantize_launch`
+launches it, and :mod:`mxmoe.kernels.quantize` / :mod:`mxmoe.kernels.qdq` pick it for ``quantize_columnwise``,
+``quantize_dual``, ``qdq_dual`` and ``qdq_dual_bf16`` on sm_90 and fall back to the Triton kernels elsewhere).
 
 Same contracts and numerics as :func:`mxmoe.kernels.quantize_triton.mx_quantize_kernel` with
 ``COL=True, TILE32=False`` (``ROW`` for dual) and ``mx_qdq_kernel`` with a column output (the rules are in that module's docstring: integer max of the
@@ -36,8 +36,9 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
-from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _max4, _quantize_elems,
-                                           _silu_mul_bf16, _store_scales, _tile_coords, _to_f32)
+from mxmoe.kernels.quantize_fused_triton import _silu_mul_bf16
+from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _max4, _quantize_elems, _store_scales,
+                                           _tile_coords, _to_f32)
 
 
 @gluon.jit
@@ -160,7 +161,7 @@ def mx_quantize_cols_kernel(
     and, with ROW, BK % 128 == 0.
     IN_MODE (B == 1) fuses the producer of the tile: 1, the rows gathered from x [T, K] by src [M] (int32/int64;
     outside [0, T): a zero row), i.e. the outputs of x[src]; 2, SwiGLU: x is h [M, 2K] bf16 and the tile is
-    a = silu(h[:, :K]) * h[:, K:] (BF16 math as torch's, quantize_triton._silu_mul_bf16), with SAVE_H also h's
+    a = silu(h[:, :K]) * h[:, K:] (BF16 math as torch's, quantize_fused_triton._silu_mul_bf16), with SAVE_H also h's
     rows quantized (ROW mode 1, GROUP) into qh [M, 2K] + sh [M, 2K/32] row-major (K % BK == 0).
     """
     TPK: gl.constexpr = BK // VEC

@@ -1,6 +1,6 @@
 """The FP32 scale layouts the Hopper grouped GEMMs read, made from E8M0 scales on the device.
 
-Hopper's FP8 tensor cores take no scales, so :mod:`mxmoe.kernels.sm90_mxfp8_grouped_gemm` applies them
+Hopper's FP8 tensor cores take no scales, so :mod:`mxmoe.kernels.sm90_gemm_kernel` applies them
 on the CUDA cores and reads them as FP32 values ``2^(b-127)`` (byte 0xFF -> NaN, 0x00 -> the subnormal
 2^-127), transposed so that one K step's scales for a tile's rows are contiguous (one TMA box):
 

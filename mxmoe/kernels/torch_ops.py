@@ -154,7 +154,7 @@ def quantize_128x128(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, to
 @_op
 def permute_quantize_128(x: torch.Tensor, src: torch.Tensor,
                          scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import quantize_fused as q
 
     return tuple(q.permute_quantize_128(x, src, scale_rule))
 
@@ -162,7 +162,7 @@ def permute_quantize_128(x: torch.Tensor, src: torch.Tensor,
 @_op
 def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import quantize_fused as q
 
     return tuple(q.swiglu_quantize_128(h, scale_rule, save_h))
 
@@ -176,28 +176,28 @@ def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @_op
 def qdq_rowwise(x: torch.Tensor, scale_rule: str, tile32: bool = False) -> torch.Tensor:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import qdq as q
 
     return q.qdq_rowwise(x, scale_rule, tile32)
 
 
 @_op
 def qdq_dual(x: torch.Tensor, scale_rule: str, tile32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import qdq as q
 
     return tuple(q.qdq_dual(x, scale_rule, tile32))
 
 
 @_op
 def qdq_columnwise(x: torch.Tensor, scale_rule: str) -> torch.Tensor:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import qdq as q
 
     return q.qdq_columnwise(x, scale_rule)
 
 
 @_op
 def qdq_dual_bf16(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import qdq as q
 
     return tuple(q.qdq_dual_bf16(x, scale_rule))
 
@@ -205,14 +205,14 @@ def qdq_dual_bf16(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch
 @_op
 def swiglu_qdq(h: torch.Tensor, scale_rule: str, save_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor]:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import quantize_fused as q
 
     return tuple(q.swiglu_qdq(h, scale_rule, save_h))
 
 
 @_op
 def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mxmoe.kernels import quantize as q
+    from mxmoe.kernels import quantize_fused as q
 
     return tuple(q.permute_qdq(x, src, scale_rule))
 
@@ -289,7 +289,7 @@ def _bf16(x, transposed=False):
 @_op
 def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         offs: torch.Tensor, out_dtype: str, weight_block: int) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote32 as g
 
     return g.sm90_mxfp8_m_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], weight_block=weight_block)
 
@@ -297,7 +297,7 @@ def sm90_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
 @_op
 def sm90_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                         offs: torch.Tensor, out_dtype: str, check_offsets: bool) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote32 as g
 
     return g.sm90_mxfp8_k_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], check_offsets=check_offsets)
 
@@ -305,7 +305,7 @@ def sm90_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
 @_op
 def sm90_mx128_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                               offs: torch.Tensor, out_dtype: str) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote128 as g
 
     return g.sm90_mx128_m_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype])
 
@@ -313,7 +313,7 @@ def sm90_mx128_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
 @_op
 def sm90_mx128_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                               offs: torch.Tensor, out_dtype: str, check_offsets: bool) -> torch.Tensor:
-    from mxmoe.kernels import sm90_mxfp8_grouped_gemm as g
+    from mxmoe.kernels import sm90_gemm_promote128 as g
 
     return g.sm90_mx128_k_grouped_gemm(a, a_scale, b, b_scale, offs, _DTYPES[out_dtype], check_offsets=check_offsets)
 

@@ -1,0 +1,201 @@
+"""Fused MXFP8 quantizers' launchers: SwiGLU fused with the dual quantization of its output (``swiglu_qdq``,
+``swiglu_quantize_128``: the down-projection's input) and the token permutation fused with the dual quantization of
+the gathered rows (``permute_qdq``, ``permute_quantize_128``: the first expert product's input); neither
+intermediate is written. The Triton bodies are :mod:`mxmoe.kernels.quantize_fused_triton` (imported on first use);
+on sm_90 the 1x128 forms take the Gluon kernels of :mod:`mxmoe.kernels.quantize_gluon`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxmoe.formats import BLOCK, ScaleRule
+from mxmoe.kernels.quantize_launch import (_G128, _check, _gluon, _interpreting, _launch_gluon, _launch_tiles, _rule,
+                                           _use_gluon, triton_cdiv)
+from mxmoe.kernels.quantize_tile_config import (_GLUON_TILES_SWIGLU, _GLUON_VEC, _SWIGLU_TMA_STAGES, _config_128_fused,
+                                                _config_qdq, _config_swiglu)
+
+
+def _kernels():
+    """The triton kernel module, imported lazily (triton is an optional dependency)."""
+    try:
+        from mxmoe.kernels import quantize_fused_triton
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("mxmoe.kernels.quantize_fused needs triton (pip install 'mxmoe[gpu]')") from e
+    return quantize_fused_triton
+
+
+def swiglu_qdq(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil", save_h: bool = False):
+    """SwiGLU of ``h [M, 2F]`` (gate ``h[:, :F]``, up ``h[:, F:]``) fused with the dual QDQ of its
+    result ``a = F.silu(gate) * up`` (BF16 math as torch's), from one read of h; a is not written.
+
+    Args:
+        h: bfloat16 ``[M, 2F]``, CUDA, ``M % 32 == F % 32 == 0``; any strides.
+        save_h: also return h quantized along 2F (for the SwiGLU backward), from the same read.
+    Returns:
+        ``(a_bf16 [M, F], data_t [F, M], scale_t [F, M/32], h_data, h_scale)``: :func:`qdq_dual`
+        of a, then with ``save_h`` h quantized along 2F (``h_data [M, 2F]`` e4m3, ``h_scale
+        [M, 2F/32]`` e8m0 row-major: :func:`quantize_rowwise` of h, bit for bit), else two empty tensors.
+    Raises:
+        TypeError: h not bfloat16. ValueError: bad shape, CPU tensor.
+    """
+    return _launch_swiglu(h, scale_rule, save_h, fp8_rows=False, group=BLOCK, name="swiglu_qdq")
+
+
+def swiglu_quantize_128(h: torch.Tensor, scale_rule: ScaleRule | str = "rceil", save_h: bool = False):
+    """SwiGLU of ``h [M, 2F]`` fused with the dual 1x128 / 128x1 quantization of ``a = F.silu(gate) * up`` (BF16
+    math as torch's, :func:`swiglu_qdq`'s), from one read of h; a is not written: the recipe ``mxfp8_128``'s
+    down-projection input (fprop rows, wgrad columns).
+
+    Args:
+        h: bfloat16 ``[M, 2F]``, CUDA, ``M % 128 == F % 128 == 0``; any strides.
+        save_h: also return h quantized along 2F in 1x128 groups, from the same read.
+    Returns:
+        ``(data, scale, data_t, scale_t, h_data, h_scale)``: :func:`quantize_dual_128` of a (``data`` e4m3
+        ``[M, F]``, ``scale`` e8m0 ``[M, F/32]``, ``data_t`` ``[F, M]``, ``scale_t`` ``[F, M/32]``), then with
+        ``save_h`` :func:`quantize_rowwise_128` of h (``[M, 2F]`` e4m3, ``[M, 2F/32]`` e8m0), else two empty tensors.
+    Raises:
+        TypeError: h not bfloat16. ValueError: bad shape, CPU tensor.
+    """
+    return _launch_swiglu(h, scale_rule, save_h, fp8_rows=True, group=_G128, name="swiglu_quantize_128")
+
+
+def _launch_swiglu(h: torch.Tensor, scale_rule, save_h: bool, fp8_rows: bool, group: int, name: str,
+                   tma: bool = True):
+    """mx_swiglu_qdq_kernel: a's rows as BF16 MX values (``swiglu_qdq``) or, ``fp8_rows``, as E4M3 + scales
+    (``swiglu_quantize_128``); outputs in the order rows (bf16, or data + scale), data_t, scale_t, h_data, h_scale.
+    On the Gluon route, 1x128 without save_h runs the TMA-fed kernel where h allows it (:func:`_tma_ready`);
+    ``tma=False`` keeps the register-fed one (benchmarks compare the two)."""
+    if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16:
+        raise TypeError(f"{name} expects a bfloat16 tensor, got {getattr(h, 'dtype', type(h).__name__)}")
+    if h.dim() != 2 or h.shape[1] % (2 * group):
+        raise ValueError(f"{name} expects h [M, 2F] with F % {group} == 0, got shape {tuple(h.shape)}")
+    _check(h, name, need_k32=True, need_m32=True, group=group)
+    M, F = h.shape[0], h.shape[1] // 2
+    dev = h.device
+    rows = torch.empty(M, F, dtype=torch.uint8 if fp8_rows else torch.bfloat16, device=dev)
+    srow = torch.empty(M, F // BLOCK, dtype=torch.uint8, device=dev) if fp8_rows else None
+    qc = torch.empty(F, M, dtype=torch.uint8, device=dev)
+    sc = torch.empty(F, M // BLOCK, dtype=torch.uint8, device=dev)
+    qh = torch.empty((M, 2 * F) if save_h else (0,), dtype=torch.uint8, device=dev)
+    sh = torch.empty((M, 2 * F // BLOCK) if save_h else (0,), dtype=torch.uint8, device=dev)
+    gluon = M and F and fp8_rows and _use_gluon(h[None]) and F % _GLUON_TILES_SWIGLU[save_h]["BK"] == 0
+    if gluon and tma and not save_h and group == _G128 and _tma_ready(h):
+        _launch_swiglu_tma(h, qc, sc, rows, srow, _rule(scale_rule))
+    elif gluon:
+        fused = dict(IN_MODE=2, SAVE_H=save_h, qh_ptr=qh if save_h else qc, sh_ptr=sh if save_h else sc)
+        _launch_gluon(h[None], qc, sc, rows, srow, M, F, _rule(scale_rule), row=1, col=1, layout=0, group=group,
+                      shape=(1, M, F), fused=fused, tile=_GLUON_TILES_SWIGLU[save_h])
+    elif M and F:
+        BM, BK, num_warps, persistent = _config_swiglu(save_h) if group == BLOCK else _config_128_fused(save_h)
+        total = triton_cdiv(M, BM) * triton_cdiv(F, BK)
+        args = (h, rows, sc if srow is None else srow, qc, sc, qh if save_h else qc, sh if save_h else sc, M, F,
+                h.stride(0), h.stride(1), _rule(scale_rule))
+        kwargs = dict(SAVE_H=save_h, BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        if fp8_rows:
+            kwargs.update(ROW_FP8=True, GROUP=group)
+        kernel = _kernels().mx_swiglu_qdq_kernel
+        _launch_tiles(kernel, args, kwargs, total, persistent, dev)
+    out = (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu)) if fp8_rows else (rows,)
+    return (*out, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu),
+            qh.view(torch.float8_e4m3fn), sh.view(torch.float8_e8m0fnu))
+
+
+def _tma_ready(h: torch.Tensor) -> bool:
+    """Whether TMA can read h [M, 2F] bf16 in boxes: unit stride along 2F, rows that do not overlap, 16-byte
+    aligned base and row pitch."""
+    return (h.stride(1) == 1 and h.stride(0) >= h.shape[1] and h.data_ptr() % 16 == 0
+            and (h.stride(0) * h.element_size()) % 16 == 0)
+
+
+def _launch_swiglu_tma(h: torch.Tensor, qc, sc, rows, srow, rceil: int, tile: dict | None = None,
+                       stages: int = _SWIGLU_TMA_STAGES, **options) -> None:
+    """quantize_gluon.mx_swiglu_quantize_tma_kernel on h [M, 2F] (M % 128 == F % 128 == 0, checked by the caller),
+    persistent: as many programs as fit (one per SM at this tile), each looping over tiles. tile / stages /
+    options (e.g. maxnreg): other launches of the same kernel, for benchmarks (default: _GLUON_TILES_SWIGLU's)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    g = _GLUON_TILES_SWIGLU[False] if tile is None else tile
+    M, F = h.shape[0], h.shape[1] // 2
+    box = [32 * g["MB"], g["BK"]]
+    desc = TensorDescriptor(h, [M, 2 * F], [h.stride(0), 1], box,
+                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+    kernel = _gluon().mx_swiglu_quantize_tma_kernel
+    args = (desc, qc, sc, rows, srow, M, F, rceil)
+    kwargs = dict(VEC=_GLUON_VEC, GROUP=_G128, STAGES=stages, num_warps=g["WM"] * g["WK"], **g, **options)
+    _launch_tiles(kernel, args, kwargs, (M // box[0]) * (F // box[1]), True, h.device)
+
+
+def permute_qdq(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
+    """Token rows gathered into a row buffer, fused with that buffer's dual QDQ; the buffer
+    ``xp[m] = x[src[m]]`` (a zero row where ``src[m] == -1``) is never written.
+
+    Args:
+        x: ``[T, K]`` bfloat16/float16/float32, CUDA, ``K % 32 == 0``; any strides.
+        src: ``[M]`` int32/int64 on x's device, ``M % 32 == 0``: the source token of each row, or -1.
+            Values outside ``[0, T)`` give zero rows (not checked: that would synchronize).
+        scale_rule: ``"rceil"`` or ``"floor"``.
+    Returns:
+        ``(xp_bf16 [M, K], data_t [K, M], scale_t [K, M/32])``: :func:`qdq_dual` of xp, bit for bit.
+    Raises:
+        TypeError: x not a float tensor of a supported dtype, src not int32/int64.
+        ValueError: bad shapes, devices differ, CPU tensors (outside the interpreter).
+    """
+    return _launch_permute(x, src, scale_rule, fp8_rows=False, group=BLOCK, name="permute_qdq")
+
+
+def permute_quantize_128(x: torch.Tensor, src: torch.Tensor, scale_rule: ScaleRule | str = "rceil"):
+    """Token rows gathered into the expert buffer ``xp[m] = x[src[m]]`` (zero row where ``src[m] == -1``), fused
+    with the dual 1x128 / 128x1 quantization of xp, FP8 out both ways; xp is never written (the recipe
+    ``mxfp8_128``'s first expert product: fprop rows, wgrad columns).
+
+    Args:
+        x: ``[T, K]`` bfloat16/float16/float32, CUDA, ``K % 128 == 0``; any strides.
+        src: ``[M]`` int32/int64 on x's device, ``M % 128 == 0`` (a 128-row group along M never spans two experts
+            when each expert's rows are padded to 128); values outside ``[0, T)`` give zero rows (not checked).
+    Returns:
+        ``(data, scale, data_t, scale_t)``: :func:`quantize_dual_128` of xp, bit for bit (``data`` e4m3
+        ``[M, K]``, ``scale`` e8m0 ``[M, K/32]``, ``data_t`` ``[K, M]``, ``scale_t`` ``[K, M/32]``).
+    Raises:
+        TypeError / ValueError as :func:`permute_qdq` (with 128 for 32).
+    """
+    return _launch_permute(x, src, scale_rule, fp8_rows=True, group=_G128, name="permute_quantize_128")
+
+
+def _launch_permute(x: torch.Tensor, src: torch.Tensor, scale_rule, fp8_rows: bool, group: int, name: str):
+    """mx_permute_qdq_kernel: xp's rows as BF16 MX values (``permute_qdq``) or, ``fp8_rows``, as E4M3 + scales
+    (``permute_quantize_128``); outputs in the order rows (bf16, or data + scale), data_t, scale_t."""
+    if not isinstance(src, torch.Tensor) or src.dtype not in (torch.int32, torch.int64):
+        got = getattr(src, "dtype", type(src).__name__)
+        raise TypeError(f"{name} expects src as an int32/int64 tensor, got {got}")
+    if src.dim() != 1 or src.device != getattr(x, "device", None):
+        raise ValueError(f"{name} expects src [M] on x's device, got shape {tuple(src.shape)} on {src.device}")
+    if src.numel() % group:
+        raise ValueError(f"{name}: the buffer's row count (M={src.numel()}) must be divisible by {group}")
+    _check(x, name, need_k32=True, need_m32=False, group=group)
+    if x.dim() != 2:
+        raise ValueError(f"{name} expects x [T, K], got shape {tuple(x.shape)}")
+    (T, K), M = x.shape, src.numel()
+    dev = x.device
+    rows = torch.empty(M, K, dtype=torch.uint8 if fp8_rows else torch.bfloat16, device=dev)
+    srow = torch.empty(M, K // BLOCK, dtype=torch.uint8, device=dev) if fp8_rows else None
+    qc = torch.empty(K, M, dtype=torch.uint8, device=dev)
+    sc = torch.empty(K, M // BLOCK, dtype=torch.uint8, device=dev)
+    if M and K and T and fp8_rows and _use_gluon(x[None]):
+        _launch_gluon(x[None], qc, sc, rows, srow, M, K, _rule(scale_rule), row=1, col=1, layout=0, group=group,
+                      shape=(1, M, K), fused=dict(IN_MODE=1, src_ptr=src.contiguous(), T=T))
+    elif M and K:
+        BM, BK, num_warps, persistent = _config_qdq(True) if group == BLOCK else _config_128_fused(False)
+        total = triton_cdiv(M, BM) * triton_cdiv(K, BK)
+        if T == 0:  # no tokens: every row is zero; an empty CUDA tensor has no address triton accepts
+            x = x.new_zeros(1, K)
+        args = (x, src.contiguous(), rows, sc if srow is None else srow, qc, sc, M, K, T, x.stride(0), x.stride(1),
+                _rule(scale_rule))
+        kwargs = dict(BM=BM, BK=BK, SOFT_CVT=_interpreting(), num_warps=num_warps)
+        if fp8_rows:
+            kwargs.update(ROW_FP8=True, GROUP=group)
+        kernel = _kernels().mx_permute_qdq_kernel
+        _launch_tiles(kernel, args, kwargs, total, persistent, dev)
+    out = (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu)) if fp8_rows else (rows,)
+    return (*out, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu))
