@@ -204,4 +204,4 @@ def test_render_torchtitan_rows(tmp_path):
              "peak_gib": 4.5, "loss": [8.0, 6.6], "expert_share": 0.4, "layer_ratio": 1.3, "ideal_speedup": 1.1}]
     (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
     text = report.render(tmp_path)
-    assert "| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.10x | 11.0% | 4.5 | 6.600 | 40% | 1.30x | 1.10x |" in text
+    assert "| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.100x | – | 11.0% | 4.5 | 6.600 | – | 40% | 1.30x | 1.10x |" in text
