@@ -52,7 +52,7 @@ ACTS = [(32768, 7168), (131072, 2048), (16384, 5120)]
 WEIGHTS = [(8, 28672, 4096), (128, 1536, 2048)]
 P, NP = True, False  # persistent (prefetching) launch / one program per tile
 T = QT.TileConfig
-# Columnwise families: register-limited occupancy (NOTES_quantize.md, session 3: 212-254 registers,
+# Columnwise families: register-limited occupancy (docs/quantization.md: 212-254 registers,
 # 8 warps per SM at 64x64/w2); smaller per-thread tiles reach 12-20 warps per SM (offline sm_90
 # compile: 64x64/w4 128 registers, 32x64/w2 96, 32x128/w2 154, 32x64/w1 116; dual ~40-90 more)
 _COLS = [T(64, 64, 2, P), T(64, 128, 4, P), T(32, 256, 4, P), T(64, 64, 4, P), T(32, 64, 2, P), T(32, 128, 2, P),
@@ -98,7 +98,7 @@ _copy_cache: dict[int, float] = {}
 
 def copy_tbps(total_bytes: int) -> float:
     """Device-to-device copy of total_bytes/2 bytes (read + write = total_bytes), TB/s. Never from a CUDA
-    graph: captured, copy_ becomes a memcpy node, which ran at 2.7 TB/s for 1 GB and more (H200, session 7),
+    graph: captured, copy_ becomes a memcpy node, which ran at 2.7 TB/s for 1 GB and more (H200),
     against 4.1-4.2 TB/s as a stream copy; one launch has no host time to hide."""
     n = total_bytes // 2 // 16 * 16
     if n not in _copy_cache:
@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         in_bytes = nbytes(x)
         # SwiGLU's input is h as the up projection gives it (N(0, 1)-like), not x's rows spread over 2^+-20:
         # exp(-g) overflows for g < -88 and IEEE division takes its slow path there, which real h never
-        # reaches (on x the SwiGLU kernels ran at half their speed; check_silu_exhaustive.py, session 16)
+        # reaches (on x the SwiGLU kernels ran at half their speed; check_silu_exhaustive.py)
         h = None if is_weight else torch.randn(shape, device=DEV).to(torch.bfloat16)
         on_h = {} if h is None else {n: (k, f) for n, k, f in case_list(h, is_weight) if "swiglu" in n}
         for name, key, fn in case_list(x, is_weight):

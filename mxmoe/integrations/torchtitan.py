@@ -2,7 +2,7 @@
 
 Why 0.2.2: it is the newest torchtitan release that runs with both torches this project uses, CI's
 2.13.0 (CPU) and the GPU machines' 2.11 (0.3.0 imports ``torch.distributed.fsdp.DataParallelMeshDims``,
-which torch 2.11 lacks: ``torchtitan.train`` fails to import there). benchmarks/NOTES_torchtitan.md has
+which torch 2.11 lacks: ``torchtitan.train`` fails to import there). docs/torchtitan.md has
 the evidence.
 
 torchtitan 0.2.2 builds its MoE layers (``torchtitan.models.moe.MoE``) as modules: a router, a token

@@ -132,7 +132,7 @@ def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool):
 
 # The Hopper default route for 1x32 / 32x32 operands is the expansion (mxmoe.backend: MXMOE_SM90_GEMM=auto):
 # the sm90 kernels for those groups are slower than BF16, and in the MoE layer the expansion route is ahead
-# on most shapes (benchmarks/NOTES_grouped_gemm.md, benchmarks/NOTES_moe_layer.md), so both stay selectable
+# on most shapes (docs/hopper.md, docs/moe-layer.md), so both stay selectable
 # and the expansion is the default.
 
 

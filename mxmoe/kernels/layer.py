@@ -28,7 +28,7 @@ from mxmoe.kernels.quantize_launch import triton_cdiv as _cdiv
 
 _BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 4  # [4, 1024] tiles: 8 KB of BF16 per program, 16-byte accesses
 # swiglu_backward: one row per program (H200, h [32768, 8192]: 98% of copy against 91% at 4 rows;
-# benchmarks/NOTES_quantize.md, session 16)
+# docs/quantization.md)
 _BWD_ROWS = 1
 
 

@@ -118,7 +118,7 @@ def _launch_2d(x: torch.Tensor, scale_rule, scale_layout: str, row: bool, col: b
                 br[0].numel() if blocked_copy and row else 0, bc[0].numel() if blocked_copy and col else 0, rceil)
         # tile order: M-fastest (the transposed outputs need it) except rowwise with row-major scales, where
         # K-fastest lets neighbouring programs write a row's scale bytes together; with blocked / Hopper scales
-        # it is slower (benchmarks/NOTES_quantize.md)
+        # it is slower (docs/quantization.md)
         kwargs = dict(ROW=row, COL=col, TILE32=tile32, ROW_LAYOUT=layout, COL_LAYOUT=layout, BLOCKED_COPY=blocked_copy,
                       BM=BM, BK=BK, SOFT_CVT=_interpreting(), K_FAST=not col and layout == 0 and not blocked_copy,
                       num_warps=num_warps)

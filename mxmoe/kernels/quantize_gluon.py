@@ -16,7 +16,7 @@ layouts and convert once, as a transpose does::
         lanes); TM lanes take TM neighbouring blocks of the same column, so a warp's transposed store
         writes TM * 32 contiguous bytes of qc[k, :] (RS 16: whole 32-byte sectors per instruction)
 
-Its throughput against a device copy, and against the same design's data movement alone: benchmarks/NOTES_quantize.md.
+Its throughput against a device copy, and against the same design's data movement alone: docs/quantization.md.
 
 Inputs: ``x`` [B, M, K] with unit stride along K, ``M % 32 == 0``; outputs qc [B, K, M] (uint8
 E4M3 bytes) and sc [B, K, M/32] in the scale layout ``LAYOUT`` (0 row-major, 1 cuBLAS blocked, 2
@@ -266,7 +266,7 @@ def mx_swiglu_quantize_tma_kernel(
     program computes one tile (the BF16 silu math and both quantizations, ~3x the instructions per
     element of the dual kernel), the loads of its next STAGES - 1 tiles are in flight. With one 16-warp
     program per SM, the register-fed form waits for each tile's loads; this one is 7-12% faster on the H200
-    (the rest of its time is instruction latency: benchmarks/NOTES_quantize.md, session 15).
+    (the rest of its time is instruction latency: docs/quantization.md).
 
     h_desc: TMA descriptor of h [M, 2K] bf16 (box [MB*32, BK], unswizzled); outputs as
     mx_quantize_cols_kernel's (qr [M, K] + sr [M, K/32], qc [K, M] + sc [K, M/32]). Tiles run k fastest,

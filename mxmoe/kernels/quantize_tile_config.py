@@ -1,6 +1,6 @@
 """Tile heuristics of the MXFP8 quantization kernels (kept out of the kernel bodies and their launchers): the
 Triton kernels' ``TileConfig`` per kernel family, the Gluon column kernel's tiles and tile order, and the
-constants the launchers size their launches with. The figures behind each choice: benchmarks/NOTES_quantize.md.
+constants the launchers size their launches with. The figures behind each choice: docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 
     A [BM, BK] tile is 8-32 KB of BF16 input (16-byte loads along K, BM a multiple of 32 rows);
     persistent launches keep loads in flight while a program reduces, converts and stores. Values:
-    the best of ``benchmarks/bench_quantize.py --sweep`` (figures in benchmarks/NOTES_quantize.md).
+    the best of ``benchmarks/bench_quantize.py --sweep`` (figures in docs/quantization.md).
     """
     if _interpreting():  # few large programs: the interpreter's cost is per program
         return TileConfig(128, 256, 4, True)
@@ -40,7 +40,7 @@ def _config_2d(row: bool, col: bool, tile32: bool) -> TileConfig:
 def _config_128(row: bool, col: bool, tile32: bool) -> TileConfig:
     """Launch config of mx_quantize_kernel with GROUP 128 (1x128 / 128x1 groups, 128x128 tiles): BK % 128 == 0
     for a row output, BM % 128 == 0 for a column output or tiles. Chosen from offline sm_90 compiles
-    (benchmarks/NOTES_quantize.md): rowwise keeps the 1x32 "row" tile's shape and bytes in flight
+    (docs/quantization.md): rowwise keeps the 1x32 "row" tile's shape and bytes in flight
     (32 x 256, 4 warps, a 1x128 group is 16 lanes of one warp); the column family needs 128 rows per tile."""
     if _interpreting():
         return TileConfig(128, 256, 4, True)
@@ -58,7 +58,7 @@ def _config_128_fused(save_h: bool) -> TileConfig:
 
 
 # GROUP 128 tiles: each the one with the fewest registers and spill bytes per thread in offline sm_90 compiles
-# (benchmarks/NOTES_quantize.md). The Triton column family (off sm_90 or MXMOE_QUANT_GLUON=0; on sm_90 the
+# (docs/quantization.md). The Triton column family (off sm_90 or MXMOE_QUANT_GLUON=0; on sm_90 the
 # Gluon kernel runs) needs 128-row tiles, and its dual and 128x128 tiles still spill.
 _DEFAULT_128 = {
     "row128": TileConfig(32, 256, 4, False),
@@ -73,14 +73,14 @@ _DEFAULT_128 = {
 
 # Tile configs by kernel family ("row", "col", "colrow" = dual, "colrow32" = 32x32 tiles, "grouped";
 # a missing key uses the default of _config_2d): the best of `bench_quantize.py --sweep` (figures in
-# benchmarks/NOTES_quantize.md), each checked bit for bit against the reference on the GPU by
+# docs/quantization.md), each checked bit for bit against the reference on the GPU by
 # tests/test_quantize_kernels.py::test_gpu_tuned_configs (the "swiglu" entries by
 # tests/test_qdq_kernels.py::test_gpu_swiglu_qdq_equals_composition).
 _TUNED: dict[str, TileConfig] = {
     "row": TileConfig(32, 256, 4, False),
     "col": TileConfig(64, 64, 2, True),  # on sm_90 the Gluon kernel runs instead
     # dual (the Triton path: MXMOE_QUANT_GLUON=0 or not sm_90). Not 32x128/w2: with blocked scales an
-    # LLVM/NVPTX miscompile of its scale index makes it fault (benchmarks/NOTES_quantize.md)
+    # LLVM/NVPTX miscompile of its scale index makes it fault (docs/quantization.md)
     "colrow": TileConfig(64, 64, 2, True),
     "colrow32": TileConfig(64, 64, 2, True),
     "grouped": TileConfig(32, 512, 8, True),
@@ -93,7 +93,7 @@ _TUNED: dict[str, TileConfig] = {
 # Gluon column-family kernel (quantize_gluon.py): [MB*32, BK] tiles, warps WM x WK, TM lanes over blocks
 # in the column layout, RS rows of a 32-row block per thread there. One tile per output family -- the column
 # output alone ("col") or with the rowwise output too ("dual") -- and input width (2: BF16/FP16, 4: FP32): the
-# best of the Gluon tile sweeps (figures in benchmarks/NOTES_quantize.md).
+# best of the Gluon tile sweeps (figures in docs/quantization.md).
 # RS 16 (two lanes per block, one shuffle for its max) makes each warp store write whole 32-byte sectors of the
 # transposed output instead of halves; FP32 input keeps 32.
 _GLUON_TILES = {
@@ -106,7 +106,7 @@ _GLUON_TILES = {
 
 # Gluon tiles of the SwiGLU input mode (swiglu_quantize_128, 16-bit): two input tiles and the silu math per element
 # need more registers than dual's tile (8 warps spill, offline sm_90), so 16 warps over the same 128x128 tile, and
-# with save_h WM 2 / TM 2, the one that does not spill there (registers: benchmarks/NOTES_quantize.md).
+# with save_h WM 2 / TM 2, the one that does not spill there (registers: docs/quantization.md).
 _GLUON_TILES_SWIGLU = {
     False: dict(MB=4, BK=128, WM=1, WK=16, TM=4, RS=16),
     True: dict(MB=4, BK=128, WM=2, WK=8, TM=2, RS=16),
@@ -115,14 +115,14 @@ _GLUON_TILES_SWIGLU = {
 
 # Elements per thread per load in the Gluon kernel, every input dtype: 8 (16 bytes for 16-bit input; two
 # 16-byte loads for FP32, so a 1x32 row block spans 4 lanes as for BF16); for FP32 it is faster than 4
-# (benchmarks/NOTES_quantize.md).
+# (docs/quantization.md).
 _GLUON_VEC = 8
 
 # Tile order of the Gluon kernel: k-tiles fastest when it writes E4M3 columns and a row output (quantize_dual,
 # quantize_32x32, qdq_dual). A tile writes 4 scale bytes per row; in M-fastest order the next 4 bytes of that row
 # come from a program n_m launches later, so 32-byte scale sectors would be written in pieces far apart in time.
 # The BF16 column output (qdq_dual_bf16) and columnwise alone are slower K-fastest and keep M-fastest
-# (benchmarks/NOTES_quantize.md).
+# (docs/quantization.md).
 def _gluon_k_fast(row: int, col: int) -> bool:
     return row != 0 and col == 1
 
@@ -145,7 +145,7 @@ def _gluon_tile(row: int, x3: torch.Tensor) -> dict:
 
 # Groups up to which mx_quantize_grouped_kernel finds a tile's group with a vector sum over the groups (warp-local
 # while they fit one warp); past it, a binary search over the padded ends: the sum had become a cross-warp
-# reduction (benchmarks/NOTES_quantize.md).
+# reduction (docs/quantization.md).
 _GROUPED_VECTOR_SEARCH_MAX = 32
 
 
@@ -159,7 +159,7 @@ def _config_grouped() -> TileConfig:
 def _config_qdq(col: bool) -> TileConfig:
     """Launch config of the QDQ kernels (mx_quantize_kernel's structure, BF16 outputs): with a
     columnwise output the quantize kernel's "colrow" tile, rowwise 32x512/w8. The columnwise one is
-    the fastest of a sweep of the QDQ kernels (benchmarks/NOTES_quantize.md)."""
+    the fastest of a sweep of the QDQ kernels (docs/quantization.md)."""
     if _interpreting():
         return TileConfig(128, 256, 4, True)
     return TileConfig(64, 64, 2, True) if col else TileConfig(32, 512, 8, True)

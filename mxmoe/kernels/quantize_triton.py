@@ -317,7 +317,7 @@ def _group_rows(p, pad_end, tiles, gmask, offs_ptr, bo_ptr, n_groups, M, SEARCH_
     p's group g is the number of groups whose padded span ends at or before p. Vector search: one
     packed sum gives g (low 32 bits) and g's first padded row (high bits * 128); it is warp-local
     while EP fits one warp, but for more groups it becomes a cross-warp reduction (barriers, more
-    registers: benchmarks/NOTES_quantize.md). SEARCH_BITS > 0 (2**SEARCH_BITS > n_groups): a branch-free binary
+    registers: docs/quantization.md). SEARCH_BITS > 0 (2**SEARCH_BITS > n_groups): a branch-free binary
     search over the padded ends bo_ptr[0:n_groups] instead, SEARCH_BITS + 1 dependent scalar loads
     (L1 hits), no reduction.
     """

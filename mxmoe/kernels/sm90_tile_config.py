@@ -20,7 +20,7 @@ Budgets that fix the choices (H200 / sm_90):
   is one promotion; 4 stages (5 would leave FP32 output no room for the TMA-store buffer); ``chain`` 4
   stages per wgmma drain (chain 2 measured equal on Mixtral, 4 has half the drains).
 * split_wg: each consumer warpgroup is its own partition (own barriers); measured equal to one
-  8-warp partition on the H200 (benchmarks/NOTES_grouped_gemm.md), kept for the independence.
+  8-warp partition on the H200 (docs/hopper.md), kept for the independence.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
     TMA-store epilogue's staging buffer fits beside the ring (3 would not): the wgmma pipeline drains
     every 8 MX steps instead of 4; on the H200 that beat 256 x 3 with register stores and 128 x 4 on
     15 of 16 cases. 1x32 keeps 128 x 4: its promotion, not the drains, is its bound, and 256-deep
-    stages lost 11-23% (the A/B runs: ``benchmarks/NOTES_grouped_gemm.md``, sessions 9 and 10).
+    stages lost 11-23% (the A/B runs: ``docs/hopper.md``).
     """
     del m, n, num_groups
     if weight_block == 32 and not k_grouped and k % 256 == 0:

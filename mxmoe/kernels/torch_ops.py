@@ -55,7 +55,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 # The same functions without the custom-op dispatch, for eager mode (mxmoe.kernels.dispatch._ops):
 # each custom-op call adds Python dispatch (schema checks, autograd and aliasing wrappers) on top of
-# the launch, and small MoE layers are bound by host time (benchmarks/NOTES_train.md).
+# the launch, and small MoE layers are bound by host time (docs/training.md).
 EAGER = types.SimpleNamespace()
 
 

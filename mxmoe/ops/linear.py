@@ -298,7 +298,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
 class _ToBF16(torch.autograd.Function):
     """``w.to(torch.bfloat16)`` of an FP32 CUDA tensor whose backward casts the BF16 gradient to
     FP32 with the layer's cast kernel, not torch's dtype-converting copy (about twice the kernel's time in
-    the bf16 layer's step: benchmarks/NOTES_moe_layer.md). Same values."""
+    the bf16 layer's step: docs/moe-layer.md). Same values."""
 
     @staticmethod
     def forward(ctx, w, be: Backend):
