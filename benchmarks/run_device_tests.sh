@@ -9,8 +9,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0
 . "$(dirname "$0")/device_steps.sh"
 python3 -m mxmoe info >>"$LOG" 2>&1
 FILES="tests/test_grouped_gemm_sm90.py tests/test_grouped_gemm_sm90_128.py tests/test_moe.py tests/test_layer_kernels.py
- tests/test_quantize_kernels.py tests/test_qdq_kernels.py tests/test_cuda_paths.py tests/test_torch_ops.py
- tests/test_dequantize_kernel.py tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py
+ tests/test_quantize_kernels.py tests/test_qdq_kernels.py tests/test_cuda_paths.py
+ tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py
  tests/test_train.py tests/test_sm90_scales.py tests/test_router.py"
 gpu_test_files 330 $FILES
 step 50 python3 -m mxmoe train --preset tiny --device cuda --out /tmp/mxmoe_tiny
