@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -403,7 +404,7 @@ def test_verdict_and_stored_seed_spread(monkeypatch):
 
     from mxmoe import train
 
-    monkeypatch.setattr(train.platform, "python_version", lambda: "3.11.7")
+    monkeypatch.setattr(platform, "python_version", lambda: "3.11.7")
     spread = train.seed_spread(dataclasses.asdict(make_config("default")))
     assert spread is not None and spread["preset"] == "default" and len(spread["seeds"]) >= 2
     assert spread["spread"] == max(spread["bf16_val"].values()) - min(spread["bf16_val"].values()) > 0
@@ -414,7 +415,7 @@ def test_verdict_and_stored_seed_spread(monkeypatch):
     assert train.seed_spread(dataclasses.asdict(make_config("default", steps=10))) is None  # other settings
     assert train.seed_spread(dataclasses.asdict(make_config("default", seed=5, out="x"))) is not None
     assert "no seed-to-seed spread is stored" in train.verdict(0.01, None)
-    monkeypatch.setattr(train.platform, "python_version", lambda: "3.12.3")  # another stdlib: other data
+    monkeypatch.setattr(platform, "python_version", lambda: "3.12.3")  # another stdlib: other data
     assert train.seed_spread(dataclasses.asdict(make_config("default"))) is None
 
 
@@ -476,7 +477,7 @@ def test_training_state_write_is_atomic(tmp_path, monkeypatch):
         f.write(b"half a checkpoint")
         raise OSError("disk full")
 
-    monkeypatch.setattr(train.torch, "save", crash)
+    monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError, match="disk full"):
         train.save_training_state(path, {"format": train.CHECKPOINT_FORMAT, "step": 8})
     state = train.load_training_state(path)
@@ -548,7 +549,7 @@ def test_seed_spread_matches_stored_runs(monkeypatch):
     the new ones) still find the stored spread."""
     from mxmoe import train
 
-    monkeypatch.setattr(train.platform, "python_version", lambda: "3.11.7")
+    monkeypatch.setattr(platform, "python_version", lambda: "3.11.7")
     root = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu"
     configs = [json.loads(p.read_text())["config"] for p in sorted(root.glob("train_default*.json"))]
     assert len(configs) >= 4 and any("cpu_bf16_gemm" in c for c in configs)
