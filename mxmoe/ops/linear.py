@@ -245,7 +245,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             are the caller's business (mxmoe.MoE ends the last group at M).
         recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_lowmem"`` (here: ``"mxfp8"`` with
             the weights requantized in backward),
-            ``"mxfp8_bf16_wgrad"``, ``"mxfp8_128"`` (1x128 / 128x128 groups: groups end on multiples of 128 rows), ``"fp32"``)
+            ``"mxfp8_bf16_wgrad"``, ``"mxfp8_128"`` (1x128 / 128x128 groups: groups end on multiples of 128 rows),
+            ``"mxfp8_128_lowmem"`` (here: ``"mxfp8_128"`` with the weights requantized in backward), ``"fp32"``)
             or a :class:`~mxmoe.recipes.Recipe`.
         validate: check shapes and offsets (synchronizes with the GPU once).
         x_mx: optional, ``x`` already quantized along K (e.g. tokens received in MXFP8 from an
