@@ -25,7 +25,7 @@ from mxmoe.backend import Backend, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
 from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits, swiglu
-from mxmoe.ops.linear import prequantized_operands
+from mxmoe.ops.linear import check_high_precision, prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -203,13 +203,13 @@ class MoE(nn.Module):
 
         Raises:
             ValueError: x with fewer than 2 dims (a 1-D x of D values is ambiguous: one token, or D
-                tokens of a wrong width) or a last dim other than D. TypeError: a non-float x.
+                tokens of a wrong width) or a last dim other than D. TypeError: x not float16, bfloat16,
+                float32 or float64 (an integer or FP8 tensor).
         """
         if x.dim() < 2 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects x of shape [..., T, {self.dim}] (at least 2-D, last dim {self.dim}), "
                              f"got input of shape {tuple(x.shape)}")
-        if not x.is_floating_point():
-            raise TypeError(f"MoE expects a floating-point input, got {x.dtype}")
+        check_high_precision("MoE", x=x)
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]
         r = self.route(x2)  # on x's own values (FP32 under autocast's FP32 residual stream)
