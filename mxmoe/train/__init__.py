@@ -31,22 +31,25 @@ and values, forward and backward, counted without the causal mask's half, as PaL
 tokens/s, divided by :data:`PEAK_FLOPS`, the H200's dense BF16 peak of 989.4 TFLOP/s, for every recipe
 (the MXFP8 recipes too: the same yardstick, so MFU ratios are tokens/s ratios).
 
-Runs survive interruption: with ``--checkpoint-every N`` (the GPU presets: on) every N steps the
-recipe's model, optimizer, step, data-order and RNG states and metrics so far go to
-``<out>/checkpoint_<recipe>.pt``, written atomically; ``mxmoe train --resume DIR`` continues a killed
-run from them with its own settings (``DIR/run_config.json``) and ends with the numbers of an
-uninterrupted run (bit for bit on the CPU).
+Runs survive interruption: every ``--checkpoint-every`` steps (default 50, ~1% of a default CPU run's time;
+the gpu preset 500, gpu-throughput only on a signal) and on SIGINT (Ctrl-C) or SIGTERM the recipe's model,
+optimizer, step, data-order and RNG states and metrics so far go to ``<out>/checkpoint_<recipe>.pt``, written
+atomically; after a signal the run stops and prints ``interrupted at step N; resume with: mxmoe train --resume
+<out>`` (exit code 130 for SIGINT). ``mxmoe train --resume DIR`` continues it with its own settings
+(``DIR/run_config.json``) and ends with the numbers and model files of an uninterrupted run (bit for bit on the
+CPU in one thread). A fresh run refuses an ``--out`` folder that holds an earlier run's files unless
+``--overwrite`` (which deletes them first) or ``--resume``.
 
 Expert parallelism: launched by ``torchrun`` with more than one process, every rank holds
 ``experts / world`` experts of each MoE layer (``mxmoe.parallel``: gloo on CPUs, NCCL and one GPU
 per rank on CUDA) and trains on its own batches; the rest of the model is replicated and its
 gradients are averaged. ``--batch-size`` and ``--eval-batches`` count per rank; ``--experts`` must
 be divisible by the number of processes. Rank 0 prints and writes the outputs; the saved models hold
-the full (single-process) state dict. Training states (``--checkpoint-every``, ``--resume``) are
-single-process only.
+the full (single-process) state dict. Training states (checkpoints, ``--resume``) are single-process only:
+none are written under torchrun.
 
     torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset tiny --out /tmp/tiny_ep2
-    torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset gpu --device cuda --checkpoint-every 0
+    torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset gpu --device cuda
 
 Writes into ``--out``: ``metrics.json`` (config, environment, data, per-recipe losses and speed),
 ``loss.png`` (train and val curves, and each recipe's val loss minus bf16's against the stored
@@ -63,15 +66,15 @@ loaded by :func:`load_checkpoint` and sampled by :func:`sample` / ``mxmoe sample
 # the package's modules, lowest first (each imports only those above it):
 # config -> data -> model -> distributed -> checkpoint -> loop -> report -> sampling -> job
 from mxmoe.train.config import (COMPILE_BACKENDS, GRAPH_BACKENDS, PEAK_FLOPS, PRESETS, VOCAB, RunInputError,
-                                TrainConfig, compile_backend, make_config, parse_recipes)
+                                TrainConfig, check_device, compile_backend, make_config, parse_recipes)
 from mxmoe.train.data import get_batch, tokens_per_step
 from mxmoe.train.model import Attention, Block, MoELM, autocast, count_params
 from mxmoe.train.distributed import (SINGLE_PROCESS, ExpertParallel, clip_gradients, full_state_dict,
                                      init_expert_parallel, mean_over_ranks)
-from mxmoe.train.checkpoint import (CHECKPOINT_FORMAT, load_run_config, load_training_state, save_model,
-                                    save_training_state)
-from mxmoe.train.loop import (TIMING_EVERY, compiled, evaluate, final_train_loss, forward_backward, lr_at,
-                              train_recipe)
+from mxmoe.train.checkpoint import (CHECKPOINT_FORMAT, RUN_FILES, load_run_config, load_training_state, prepare_out,
+                                    run_files, save_model, save_training_state)
+from mxmoe.train.loop import (TIMING_EVERY, Interrupted, StopRequest, compiled, evaluate, final_train_loss,
+                              forward_backward, lr_at, stop_on_signals, train_recipe)
 from mxmoe.train.report import (SEED_SPREAD, compare_runs, compare_table, model_flops_per_token, plot_compare,
                                 plot_losses, seed_spread, summarize, throughput_rows, verdict,
                                 write_throughput)
@@ -79,11 +82,12 @@ from mxmoe.train.sampling import generate, load_checkpoint, sample
 from mxmoe.train.job import run
 
 __all__ = ["COMPILE_BACKENDS", "GRAPH_BACKENDS", "PEAK_FLOPS", "PRESETS", "VOCAB", "RunInputError",
-           "TrainConfig", "compile_backend", "make_config", "parse_recipes", "get_batch", "tokens_per_step",
-           "Attention", "Block", "MoELM", "autocast", "count_params", "SINGLE_PROCESS", "ExpertParallel",
-           "clip_gradients", "full_state_dict", "init_expert_parallel", "mean_over_ranks", "CHECKPOINT_FORMAT",
-           "load_run_config", "load_training_state", "save_model", "save_training_state", "TIMING_EVERY",
-           "compiled", "evaluate", "final_train_loss", "forward_backward", "lr_at", "train_recipe",
-           "SEED_SPREAD", "compare_runs", "compare_table", "model_flops_per_token", "plot_compare",
-           "plot_losses", "seed_spread", "summarize", "throughput_rows", "verdict", "write_throughput",
-           "generate", "load_checkpoint", "sample", "run"]
+           "TrainConfig", "check_device", "compile_backend", "make_config", "parse_recipes", "get_batch",
+           "tokens_per_step", "Attention", "Block", "MoELM", "autocast", "count_params", "SINGLE_PROCESS",
+           "ExpertParallel", "clip_gradients", "full_state_dict", "init_expert_parallel", "mean_over_ranks",
+           "CHECKPOINT_FORMAT", "RUN_FILES", "prepare_out", "run_files", "load_run_config",
+           "load_training_state", "save_model", "save_training_state", "TIMING_EVERY", "Interrupted",
+           "StopRequest", "stop_on_signals", "compiled", "evaluate", "final_train_loss", "forward_backward",
+           "lr_at", "train_recipe", "SEED_SPREAD", "compare_runs", "compare_table", "model_flops_per_token",
+           "plot_compare", "plot_losses", "seed_spread", "summarize", "throughput_rows", "verdict",
+           "write_throughput", "generate", "load_checkpoint", "sample", "run"]

@@ -18,15 +18,18 @@ class TrainConfig:
     """Settings of one ``mxmoe train`` run; a preset fills them, flags override."""
 
     # I/O and run
-    out: str = "out"  # output folder: metrics.json, loss.png, model_<recipe>.safetensors
-    device: str = ""  # "cuda" or "cpu"; empty = cuda if available, else cpu
+    out: str = "out"  # output folder: metrics.json, loss.png, model_<recipe>.safetensors; one holding a run is refused
+    # (--overwrite deletes that run's files first; --resume continues it)
+    overwrite: bool = False  # delete the earlier run's files in --out first (else such a folder is refused)
+    device: str = ""  # "cuda", "cuda:N" or "cpu"; empty = cuda if available, else cpu
     recipes: str = "bf16,mxfp8"  # comma-separated MoE recipes, trained one after the other
     seed: int = 0  # one seed -> one init and one batch order, shared by every recipe
     # torch.compile backend, not under torchrun (expert parallelism); inductor-cudagraphs: inductor's fused
     # kernels replayed from CUDA graphs
     compile: str = "auto"  # auto (inductor-cudagraphs on CUDA in one process, else eager), "" or none (eager), inductor, inductor-cudagraphs, cudagraphs, aot_eager, eager
-    checkpoint_every: int = 0  # steps between checkpoints (<out>/checkpoint_<recipe>.pt); 0: none (one process only)
-    resume: str = ""  # continue the killed run in this folder, with its own settings (give no other flags)
+    # training states <out>/checkpoint_<recipe>.pt for --resume, also written on Ctrl-C / SIGTERM (none under torchrun)
+    checkpoint_every: int = 50  # steps between checkpoints (~0.5% of a default CPU run); 0: on a signal only
+    resume: str = ""  # continue the interrupted run in this folder, with its own settings (give no other flags)
     # data (mxmoe.corpus)
     data: str = ""  # "stdlib", "python-all" (stdlib + site-packages) or a .py folder; empty: python-all on CUDA, else stdlib
     data_cache: str = "~/.cache/mxmoe"  # folder caching the python-all corpus (keyed by its file list); empty: none
@@ -77,9 +80,14 @@ class TrainConfig:
             raise ValueError(f"checkpoint_every must be >= 0 (0: no checkpoints), got {self.checkpoint_every}")
         if self.resume and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume!r} is not a folder")
-        if (self.checkpoint_every or self.resume) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("checkpoints and --resume are single-process only: leave --checkpoint-every at 0 "
-                             "under torchrun (expert parallelism)")
+        if self.resume and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("--resume is single-process only (training states are not written under torchrun)")
+        if not isinstance(self.overwrite, bool):
+            raise ValueError(f"overwrite must be True or False, got {self.overwrite!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in its folder; --overwrite would delete it: give one")
+        if not self.out:
+            raise ValueError("--out is empty: give the folder the run writes into (default: out)")
         for name in names:
             get_recipe(name).check_dims(self.dim, self.ffn_dim)  # unknown names and bad dims fail before training
         bounds = {"lr": (0 < self.lr < math.inf, "a finite value > 0"),  # NaN fails every comparison
@@ -93,8 +101,8 @@ class TrainConfig:
         if not 0 <= self.warmup <= self.steps:
             raise ValueError(f"warmup must be in [0, steps={self.steps}] (linear warmup steps, then cosine decay), "
                              f"got {self.warmup}")
-        if self.device and self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device} asked for, but torch sees no CUDA GPU here")
+        if self.device:
+            check_device(self.device)
         if self.compile not in ("auto", "", "none"):
             if self.compile not in COMPILE_BACKENDS:
                 raise ValueError(f"compile backend {self.compile!r}: use one of {', '.join(COMPILE_BACKENDS)} "
@@ -107,6 +115,33 @@ class TrainConfig:
             if self.compile == "inductor" and on_cpu and any(n != "bf16" for n in names):
                 raise ValueError("--compile inductor on the CPU cannot compile the MX recipes (torch's CPU "
                                  "codegen has no float8_e8m0fnu); use --compile aot_eager there, or a GPU")
+
+
+def check_device(spec: str, flag: str = "--device") -> torch.device:
+    """``spec`` as a torch device this job can run on: ``cpu`` (or ``cpu:0``), ``cuda`` or ``cuda:N`` with N below
+    ``torch.cuda.device_count()``.
+
+    Raises:
+        ValueError: a string torch does not parse, another device type, a CPU index other than 0 (torch
+            has one CPU device: ``cpu:7`` would run on the same CPU), CUDA without a GPU, or an index past
+            the last GPU; the message names ``flag``.
+    """
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{flag} {spec!r}: {e}") from None
+    if device.type == "cpu":
+        if device.index not in (None, 0):
+            raise ValueError(f"{flag} {spec!r}: torch has a single CPU device; give cpu (or cpu:0)")
+    elif device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{flag} {spec} asked for, but torch sees no CUDA GPU here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{flag} {spec!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    else:
+        raise ValueError(f"{flag} {spec!r}: mxmoe train runs on cpu or cuda, not {device.type}")
+    return device
 
 
 def parse_recipes(spec: str) -> list[str]:
@@ -159,7 +194,8 @@ PRESETS = {
     # tokens/s and MFU: experts' products ~75% of the step's FLOPs. 439M parameters, 137M active per
     # token, ~0.86 GFLOP per token, 14.1 TFLOP per step of 16384 tokens; evaluated at the ends only
     "gpu-throughput": dict(dim=2048, layers=2, heads=16, experts=8, top_k=2, ffn_dim=4096, seq_len=1024,
-                           batch_size=16, steps=300, lr=3e-4, warmup=30, eval_every=300, eval_batches=4),
+                           batch_size=16, steps=300, lr=3e-4, warmup=30, eval_every=300, eval_batches=4,
+                           checkpoint_every=0),  # a speed measurement: no 5 GB states mid-run (still on a signal)
 }
 
 

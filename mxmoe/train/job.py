@@ -10,12 +10,12 @@ import torch
 
 from mxmoe import parallel
 from mxmoe.corpus import load_corpus, python_roots
-from mxmoe.train.checkpoint import (CHECKPOINT_FORMAT, load_training_state, same_run, save_model,
-                                    save_training_state, write_json_atomic)
+from mxmoe.train.checkpoint import (CHECKPOINT_FORMAT, RUN_PLACE, load_training_state, prepare_out, same_run,
+                                    save_model, save_training_state, write_json_atomic)
 from mxmoe.train.config import GRAPH_BACKENDS, PEAK_FLOPS, RunInputError, TrainConfig, compile_backend, parse_recipes
 from mxmoe.train.data import tokens_per_step
 from mxmoe.train.distributed import full_state_dict, init_expert_parallel
-from mxmoe.train.loop import train_recipe
+from mxmoe.train.loop import StopRequest, stop_on_signals, train_recipe
 from mxmoe.train.model import MoELM, count_params
 from mxmoe.train.report import model_flops_per_token, plot_losses, seed_spread, summarize
 
@@ -25,16 +25,18 @@ def run(cfg: TrainConfig) -> dict:
 
     Under torchrun with more than one process: joins the process group, trains expert-parallel,
     has rank 0 print and write, and destroys the group at the end.
-    A fresh run (no ``cfg.resume``) first removes an earlier run's training states from ``cfg.out``
-    (``run_config.json``, ``checkpoint_*.pt``), so no later ``--resume`` continues that run over this one's
-    outputs. With ``cfg.checkpoint_every``: writes ``run_config.json``, then training states
-    (:func:`train_recipe`); a finished recipe's state keeps only its metrics. With ``cfg.resume``:
-    finished recipes are taken from their states, an unfinished one continues from its state.
-    Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
+    The ``cfg.out`` folder (:func:`prepare_out`): a fresh run refuses one that holds an earlier run's files;
+    with ``cfg.overwrite`` it deletes them first. In one process the run writes ``run_config.json``, then
+    training states (:func:`train_recipe`) every ``cfg.checkpoint_every`` steps and when SIGINT or SIGTERM
+    arrives (it then stops: :class:`Interrupted`; a second signal stops at once); a finished recipe's state
+    keeps only its metrics. With ``cfg.resume``: finished recipes are taken from their states, an unfinished
+    one continues from its state. Returns the metrics dict that is also written to ``<cfg.out>/metrics.json``.
 
     Raises:
-        RunInputError (a ValueError): ``cfg.resume`` with a damaged state or one of other settings than
+        RunInputError (a ValueError): an ``out`` that is no folder, cannot be created or holds an earlier run
+            (:func:`prepare_out`); ``cfg.resume`` with a damaged state or one of other settings than
             ``cfg``'s; data that cannot feed the run (too few files, a split shorter than a window).
+        Interrupted: SIGINT / SIGTERM during training (single process): the state is saved for ``--resume``.
     """
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ep, device = init_expert_parallel(cfg, device)
@@ -42,6 +44,7 @@ def run(cfg: TrainConfig) -> dict:
     recipes = parse_recipes(cfg.recipes)
     out = Path(cfg.out)
     config = dataclasses.asdict(cfg)
+    earlier = prepare_out(cfg, create=main_rank)  # every rank checks; rank 0 creates
     states = {}
     if cfg.resume:
         for recipe in recipes:
@@ -49,19 +52,16 @@ def run(cfg: TrainConfig) -> dict:
                 states[recipe] = load_training_state(out / f"checkpoint_{recipe}.pt", device)
                 if not same_run(json.loads(states[recipe]["config"]), config):
                     theirs = json.loads(states[recipe]["config"])
-                    differ = sorted(k for k in config if k not in ("out", "resume") and theirs.get(k) != config[k])
+                    differ = sorted(k for k in config if k not in RUN_PLACE and theirs.get(k) != config[k])
                     raise RunInputError(f"{out / f'checkpoint_{recipe}.pt'} was written by a run of other settings "
                                         f"than {out / 'run_config.json'} (differ: {', '.join(differ) or 'unknown'})")
-    if main_rank:
-        out.mkdir(parents=True, exist_ok=True)
-        if not cfg.resume:  # a fresh run: an earlier run's states in this folder are not this run's
-            stale = [p for p in [out / "run_config.json", *sorted(out.glob("checkpoint_*.pt"))] if p.is_file()]
-            for p in stale:  # else a later --resume would continue that run and overwrite this one's outputs
-                p.unlink()
-            if stale:
-                print(f"removed an earlier run's training states from {out}: {', '.join(p.name for p in stale)}")
-            if cfg.checkpoint_every:
-                write_json_atomic(out / "run_config.json", config)
+    if main_rank and not cfg.resume:
+        for p in earlier:  # --overwrite: none of the earlier run's models, metrics or states stay beside this one's
+            p.unlink()
+        if earlier:
+            print(f"--overwrite: removed an earlier run's files from {out}: {', '.join(p.name for p in earlier)}")
+        if ep.group is None:  # what --resume runs
+            write_json_atomic(out / "run_config.json", config)
     try:
         corpus = load_corpus(cfg.data, device.type, cfg.val_every_file, cfg.data_cache)
     except ValueError as e:
@@ -94,7 +94,9 @@ def run(cfg: TrainConfig) -> dict:
               f"per token | device: {device}{ranks} | recipes: {', '.join(recipes)} | steps: "
               + (f"torch.compile backend {backend}" + (" (CUDA graphs)" if backend in GRAPH_BACKENDS else "")
                  if backend else "eager")
-              + (f" | checkpoints every {cfg.checkpoint_every} steps in {out}" if cfg.checkpoint_every else "")
+              + (" | no checkpoints (single-process only)" if ep.group is not None else
+                 f" | checkpoints every {cfg.checkpoint_every} steps in {out}" if cfg.checkpoint_every else
+                 f" | checkpoints on SIGINT / SIGTERM in {out}")
               + (" | resumed: " + ", ".join(f"{r} at step {s.get('step', cfg.steps)}" for r, s in states.items())
                  if states else ""))
     where = {"stdlib": sysconfig.get_paths()["stdlib"], "python-all": "python-all: " + ", ".join(python_roots())}
@@ -106,23 +108,14 @@ def run(cfg: TrainConfig) -> dict:
     metrics = {"config": config, "env": env, "params": params,
                "data_bytes": {"train": len(train_data), "val": len(val_data)}, "data": data,
                "model_flops_per_token": flops, "peak_flops": PEAK_FLOPS, "recipes": {}}
-    for recipe in recipes:
-        state = states.get(recipe)
-        if state is not None and state["done"]:
-            metrics["recipes"][recipe] = state["metrics"]
-            continue
-        ckpt = out / f"checkpoint_{recipe}.pt" if cfg.checkpoint_every and ep.group is None else None
-        model, m = train_recipe(cfg, recipe, init_state, train_data, val_data, device, ep, state, ckpt)
-        m["mfu"] = m["tokens_per_s"] * flops / PEAK_FLOPS if device.type == "cuda" else None
-        metrics["recipes"][recipe] = m
-        weights = full_state_dict(model, ep)  # every rank takes part; rank 0 writes
-        if main_rank:
-            save_model(weights, out / f"model_{recipe}.safetensors",
-                       metadata={"recipe": recipe, "config": json.dumps(config)})
-            if ckpt is not None:  # finished: the metrics alone (the weights are in the safetensors file)
-                save_training_state(ckpt, {"format": CHECKPOINT_FORMAT, "recipe": recipe, "done": True,
-                                           "config": json.dumps(config), "metrics": m})
-        del model, weights
+    # the models' metadata: the settings that made them (not where they were written, nor how the run was started),
+    # so the same weights give the same file
+    model_config = json.dumps({k: v for k, v in config.items() if k not in RUN_PLACE})
+    stop = StopRequest()
+    with stop_on_signals(stop, enabled=ep.group is None):
+        for recipe in recipes:
+            _train_one(cfg, recipe, states.get(recipe), init_state, train_data, val_data, device, ep, stop,
+                       out, metrics, flops, model_config, main_rank)
     if "bf16" in metrics["recipes"]:
         ref = metrics["recipes"]["bf16"]["val_loss"][-1]
         metrics["val_gap_vs_bf16_pct"] = {r: 100 * (m["val_loss"][-1] - ref) / ref
@@ -141,3 +134,25 @@ def run(cfg: TrainConfig) -> dict:
         parallel.shutdown_distributed()
     return metrics
 
+
+def _train_one(cfg: TrainConfig, recipe: str, state: dict | None, init_state: dict, train_data: torch.Tensor,
+               val_data: torch.Tensor, device: torch.device, ep, stop: StopRequest, out: Path, metrics: dict,
+               flops: float, model_config: str, main_rank: bool) -> None:
+    """One recipe of :func:`run`: taken from its finished state, or trained (from ``state`` when resumed);
+    its metrics go into ``metrics["recipes"]``, its model to ``model_<recipe>.safetensors``."""
+    if state is not None and state["done"]:
+        metrics["recipes"][recipe] = state["metrics"]
+        return
+    config = metrics["config"]
+    ckpt = out / f"checkpoint_{recipe}.pt" if ep.group is None else None
+    model, m = train_recipe(cfg, recipe, init_state, train_data, val_data, device, ep, state, ckpt, stop=stop)
+    m["mfu"] = m["tokens_per_s"] * flops / PEAK_FLOPS if device.type == "cuda" else None
+    metrics["recipes"][recipe] = m
+    weights = full_state_dict(model, ep)  # every rank takes part; rank 0 writes
+    if main_rank:
+        save_model(weights, out / f"model_{recipe}.safetensors",
+                   metadata={"recipe": recipe, "config": model_config})
+        if ckpt is not None:  # finished: the metrics alone (the weights are in the safetensors file)
+            save_training_state(ckpt, {"format": CHECKPOINT_FORMAT, "recipe": recipe, "done": True,
+                                       "config": json.dumps(config), "metrics": m})
+    del model, weights

@@ -1,10 +1,14 @@
 """The training loop: one recipe's steps (:func:`train_recipe`), one optimizer step's gradients
 (:func:`forward_backward`), validation (:func:`evaluate`) and the learning-rate schedule."""
 
+import contextlib
 import dataclasses
 import importlib
 import json
 import math
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,10 +107,54 @@ def _warm_up_process(device: torch.device) -> None:
         _sync(device)
 
 
+class StopRequest:
+    """A flag the loop polls after every update: ``signum`` is set (by a signal handler) to ask it to stop."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: StopRequest, enabled: bool = True):
+    """Inside the block, the first SIGINT or SIGTERM sets ``stop.signum`` (the loop then saves its state and
+    raises :class:`Interrupted`); a second one raises KeyboardInterrupt at once. The previous handlers come
+    back on exit. Nothing is installed when not ``enabled`` or outside the main thread (signals go there)."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    signums = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signums}
+
+    def handler(signum, frame):
+        if stop.signum is not None:
+            raise KeyboardInterrupt
+        stop.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              "(again: stop at once, unsaved)", file=sys.stderr, flush=True)
+
+    for s in signums:
+        signal.signal(s, handler)
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class Interrupted(Exception):
+    """Raised by :func:`train_recipe` when a :class:`StopRequest` was set: ``recipe`` stopped after ``step``
+    updates, its state saved to ``checkpoint`` (None: no state written) because of signal ``signum``."""
+
+    def __init__(self, recipe: str, step: int, signum: int, checkpoint: Path | None):
+        super().__init__(f"{recipe} interrupted at step {step}")
+        self.recipe, self.step, self.signum, self.checkpoint = recipe, step, signum, checkpoint
+
+
 def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: torch.Tensor,
                  val_data: torch.Tensor, device: torch.device,
                  ep: ExpertParallel = SINGLE_PROCESS, resume: dict | None = None,
-                 ckpt_path: Path | None = None) -> tuple[MoELM, dict]:
+                 ckpt_path: Path | None = None, stop_after: int | None = None,
+                 stop: "StopRequest | None" = None) -> tuple[MoELM, dict]:
     """Train one recipe from ``init_state`` on the seeded batch order; return (model, metrics).
 
     Metrics: ``train_loss`` / ``aux_loss`` (one per step), ``final_train_loss`` (mean of the last
@@ -118,10 +166,14 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
     compilation; summed over a resumed run's parts; not data loading, process start-up or the one-off
     imports of :func:`_warm_up_process`), ``compile`` (the backend the steps ran under, "" eager).
 
-    Checkpoints: with ``ckpt_path`` and ``cfg.checkpoint_every > 0``, after every ``checkpoint_every``
-    updates short of the last, :func:`save_training_state` writes the state there; ``resume`` (such a
+    Checkpoints: with ``ckpt_path``, after every ``cfg.checkpoint_every`` updates short of the last (none for 0), :func:`save_training_state` writes the state there; ``resume`` (such a
     state, from :func:`load_training_state`) continues from its step, as if never stopped (the speed
     numbers then time the resumed steps only; ``resumed_at_step`` says where it went on).
+
+    Stopping early: with ``stop_after``, the loop leaves after that many updates (the schedule is still
+    ``cfg.steps``'s; no final validation): the first steps of a long run, for tests. ``stop`` (a
+    :class:`StopRequest`, set by a signal handler) is checked after every update: once set, the state is
+    written to ``ckpt_path`` (when given) and :class:`Interrupted` is raised.
 
     Under torchrun (``ep.group`` set) every MoE becomes expert-parallel, rank r draws its batches
     from seed ``cfg.seed + r``, losses are means over the ranks, tokens/s counts all ranks' tokens
@@ -201,7 +253,9 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
             close_segment(done)
             postfix["loss"] = f"{ce_hist[-1].item():.3f}"
             bar.set_postfix(postfix)
-        if ckpt_path is not None and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+        stopping = stop is not None and stop.signum is not None
+        if ckpt_path is not None and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps)
+                                      or (stopping and done < cfg.steps)):
             close_segment(done)
             save_training_state(ckpt_path, {
                 "format": CHECKPOINT_FORMAT, "recipe": recipe, "config": json.dumps(dataclasses.asdict(cfg)),
@@ -212,6 +266,11 @@ def train_recipe(cfg: TrainConfig, recipe: str, init_state: dict, train_data: to
                 "val_step": list(m["val_step"]), "val_loss": list(m["val_loss"]),
                 "wall_s": wall_before + time.perf_counter() - t_start})
             seg[1] = time.perf_counter()  # nor is writing the checkpoint
+        if stopping and done < cfg.steps:
+            bar.close()
+            raise Interrupted(recipe, done, stop.signum, ckpt_path)
+        if stop_after is not None and done >= stop_after:
+            break
     bar.close()
     m["train_loss"] = mean_over_ranks(torch.stack(ce_hist), ep).tolist()  # [steps]
     m["aux_loss"] = mean_over_ranks(torch.stack(aux_hist).float(), ep).tolist()

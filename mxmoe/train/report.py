@@ -40,7 +40,7 @@ SEED_SPREAD: dict[str, dict] = {
 # fields that do not change what a run computes (or not beyond summation order): a stored spread applies
 # to a run whose other fields equal the preset's
 # (stored runs' configs may hold fields of older versions, e.g. cpu_bf16_gemm: only today's fields are compared)
-_SPREAD_FREE = ("out", "device", "recipes", "seed", "compile", "eval_every", "data", "data_cache",
+_SPREAD_FREE = ("out", "overwrite", "device", "recipes", "seed", "compile", "eval_every", "data", "data_cache",
                 "checkpoint_every", "resume")
 
 # fields added after runs were stored, with the value those runs ran with
@@ -240,7 +240,7 @@ def compare_runs(runs: list[dict]) -> dict:
     if not runs:
         raise ValueError("compare_runs: no runs given")
     # compile: compared as the backend the steps ran under (``auto`` resolves differently across versions)
-    free = ("seed", "recipes", "out", "resume", "device", "data_cache", "checkpoint_every", "compile")
+    free = ("seed", "recipes", "out", "resume", "overwrite", "device", "data_cache", "checkpoint_every", "compile")
 
     def settings(metrics: dict) -> dict:
         backends = {m.get("compile") for m in metrics["recipes"].values()}
