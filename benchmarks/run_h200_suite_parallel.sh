@@ -14,7 +14,7 @@ FILES="tests/test_grouped_gemm_sm90.py tests/test_grouped_gemm_sm90_128.py tests
  tests/test_dequantize_kernel.py tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py
  tests/test_train.py tests/test_sm90_scales.py tests/test_router.py"
 gpu_test_files 330 $FILES
-step 50 python3 -m mxmoe train --preset tiny --device cuda --out /tmp/mxmoe_tiny
+step 50 python3 -m mxmoe train --preset tiny --device cuda --overwrite --out /tmp/mxmoe_tiny
 [ "${BENCH:-1}" = 1 ] || exit 0
 step 100 python3 benchmarks/bench_moe_layer.py --iters 5 --recipes mxfp8_128,mxfp8,bf16 --balance balanced,skewed \
     --out "$OUT/moe_layer_128.json"

@@ -12,7 +12,7 @@ OUT=${OUT:-out/h200}; mkdir -p "$OUT"; TAG=${TAG:-}; LOG=$OUT/train_gpu${TAG}_lo
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >"$LOG" 2>&1
 for seed in ${SEEDS:-0 1}; do
   s=$SECONDS
-  timeout 280 python3 -m mxmoe train --preset gpu --device cuda --seed "$seed" ${FLAGS:-} --out /tmp/train_gpu_$seed 2>&1 \
+  timeout 280 python3 -m mxmoe train --preset gpu --device cuda --seed "$seed" ${FLAGS:-} --overwrite --out /tmp/train_gpu_$seed 2>&1 \
     | tr '\r' '\n' | grep -v "it/s" >>"$LOG"
   echo "seed $seed: wall $((SECONDS - s)) s" >>"$LOG"
   cp /tmp/train_gpu_$seed/metrics.json "$OUT/train_gpu${TAG}_seed$seed.json"; cp /tmp/train_gpu_$seed/loss.png "$OUT/train_gpu${TAG}_seed$seed.png"
