@@ -1,7 +1,7 @@
 """The ``mxmoe`` command line.
 
     mxmoe train [--preset tiny|default|gpu|gpu-throughput] [--steps N] [--out DIR] ...   # see mxmoe.train
-    mxmoe train --resume DIR   # continue a killed run that had --checkpoint-every N
+    mxmoe train --resume DIR   # continue an interrupted run (Ctrl-C, SIGTERM, a crash after a checkpoint)
     mxmoe sample --ckpt out/model_mxfp8.safetensors --prompt "def " --tokens 200   # mxmoe.train.sample
     mxmoe info [--device cuda:0]   # which kernels serve each recipe on this machine (mxmoe.backend)
     python -m mxmoe train --help
@@ -22,16 +22,33 @@ def _field_comments(cls) -> dict[str, str]:
     return dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", src, re.M))
 
 
+TRAIN_DESCRIPTION = """\
+Train a small byte-level MoE language model on this machine's Python sources, once per recipe (bf16, mxfp8,
+...), from one initialization on one batch order, and compare their losses. Writes metrics.json, loss.png and
+model_<recipe>.safetensors into --out; a folder holding an earlier run is refused (--resume, --overwrite).
+Checkpoints every --checkpoint-every steps and on Ctrl-C / SIGTERM; `mxmoe train --resume DIR` continues.
+
+  mxmoe train                                   # default preset, CPU: minutes
+  mxmoe train --preset tiny --out /tmp/tiny     # seconds
+  mxmoe train --preset gpu --device cuda --recipes bf16 --seed 0
+  torchrun --standalone --nproc-per-node 2 -m mxmoe train --preset tiny --out /tmp/ep2   # expert parallel
+
+More: python -c "import mxmoe.train; help(mxmoe.train)" and the README."""
+
+
 def _add_train_parser(sub) -> argparse.ArgumentParser:
     import mxmoe.train as train
 
     p = sub.add_parser("train", help="train bf16 and mxfp8 MoE LMs on stdlib bytes, compare losses",
-                       description=train.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=None, choices=sorted(train.PRESETS),
                    help="starting values for every setting below (default: default)")
     comments = _field_comments(train.TrainConfig)
     for f in dataclasses.fields(train.TrainConfig):
+        if isinstance(f.default, bool):  # a switch: --overwrite
+            p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_const", const=True,
+                           default=None, help=comments.get(f.name, "").replace("%", "%%"))
+            continue
         p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=None,
                        metavar=type(f.default).__name__.upper(),
                        help=comments.get(f.name, "").replace("%", "%%")
@@ -49,7 +66,7 @@ def _add_sample_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0: greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest bytes; 0: all (default: 200)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     p.add_argument("--recipe", default=None, help="run the experts in this recipe instead of the checkpoint's")
     return p
 
@@ -85,32 +102,27 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = load_run_config(given["resume"])
             else:
                 cfg = make_config(preset or "default", **given)
-            if cfg.device:
-                import torch
-
-                try:
-                    torch.device(cfg.device)
-                except RuntimeError as e:
-                    raise ValueError(f"--device {cfg.device!r}: {e}") from None
-            if cfg.out:
-                from pathlib import Path
-
-                try:
-                    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise ValueError(f"--out {cfg.out!r} cannot be created: {e.strerror}") from None
         except ValueError as e:  # a bad flag combination: a usage error (exit 2), not a traceback
             parser.subcommands["train"].error(str(e))
-        from mxmoe.train import RunInputError
+        from mxmoe.train import Interrupted, RunInputError
 
         try:
             run(cfg)
-        except RunInputError as e:  # the run's data, checkpoints or saved settings: a usage error too
+        except RunInputError as e:  # the run's data, checkpoints, saved settings or --out: a usage error too
             parser.subcommands["train"].error(str(e))
+        except Interrupted as e:  # SIGINT / SIGTERM: the state is saved, no traceback
+            import shlex
+            import sys
+
+            where = (f"; resume with: mxmoe train --resume {shlex.quote(cfg.out)}" if e.checkpoint is not None
+                     else " (no checkpoint: single-process only)")
+            print(f"{e.recipe}: interrupted at step {e.step}{where}", file=sys.stderr)
+            return 128 + e.signum  # 130 for SIGINT, 143 for SIGTERM, as a shell reports a killed job
     elif command == "sample":
-        from mxmoe.train import sample
+        from mxmoe.train import check_device, sample
 
         try:
+            check_device(args["device"])
             text = sample(args["ckpt"], args["prompt"], args["tokens"], args["temperature"], args["top_k"],
                           args["seed"], args["device"], args["recipe"])
         except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -25,7 +25,7 @@ from mxmoe.backend import Backend, autocast_dtype, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
 from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits, swiglu
-from mxmoe.ops.linear import prequantized_operands
+from mxmoe.ops.linear import check_high_precision, prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -83,11 +83,13 @@ class MoE(nn.Module):
 
     Args:
         dim: model dim D.
-        ffn_dim: expert hidden dim F (multiple of 32 under MXFP8 recipes).
+        ffn_dim: expert hidden dim F (a multiple of the recipe's scale groups, as ``dim``:
+            :meth:`~mxmoe.recipes.Recipe.check_dims`).
         num_experts: E.
         top_k: experts per token (``1 <= top_k <= num_experts``).
-        recipe: ``"mxfp8"`` (default), ``"mxfp8_2d"``, ``"mxfp8_lowmem"``, ``"mxfp8_bf16_wgrad"``, ``"bf16"``, ``"fp32"``
-            or a :class:`~mxmoe.recipes.Recipe`.
+        recipe: ``"mxfp8"`` (default), ``"mxfp8_2d"``, ``"mxfp8_lowmem"``, ``"mxfp8_bf16_wgrad"``, ``"mxfp8_128"``,
+            ``"mxfp8_128_lowmem"``, ``"bf16"``, ``"fp32"`` (:data:`mxmoe.recipes.RECIPES`) or a
+            :class:`~mxmoe.recipes.Recipe`.
         aux_loss_coef: coefficient of the load-balancing loss (Switch Transformer form,
             ``E * sum_e f_e * P_e``); the scaled value is in ``self.aux_loss`` after forward.
         renormalize: divide the top_k probabilities by their sum (Mixtral); default ``top_k > 1``
@@ -98,7 +100,8 @@ class MoE(nn.Module):
     Raises:
         TypeError: sizes or ``top_k`` that are not integers; a recipe that is neither a name nor a Recipe.
         ValueError: non-positive sizes, ``top_k`` outside ``[1, num_experts]``, or dims not divisible
-            by 32 under MXFP8 (or by 8 under bf16: BF16 grouped GEMMs need 16-byte rows).
+            by the recipe's scale groups (32 under the OCP MX recipes, 128 under ``mxfp8_128`` and
+            ``mxfp8_128_lowmem``) or by 8 under bf16 (BF16 grouped GEMMs need 16-byte rows).
     """
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int,
@@ -200,13 +203,13 @@ class MoE(nn.Module):
 
         Raises:
             ValueError: x with fewer than 2 dims (a 1-D x of D values is ambiguous: one token, or D
-                tokens of a wrong width) or a last dim other than D. TypeError: a non-float x.
+                tokens of a wrong width) or a last dim other than D. TypeError: x not float16, bfloat16,
+                float32 or float64 (an integer or FP8 tensor).
         """
         if x.dim() < 2 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE expects x of shape [..., T, {self.dim}] (at least 2-D, last dim {self.dim}), "
                              f"got input of shape {tuple(x.shape)}")
-        if not x.is_floating_point():
-            raise TypeError(f"MoE expects a floating-point input, got {x.dtype}")
+        check_high_precision("MoE", x=x)
         shape = x.shape
         x2 = x.reshape(-1, self.dim)  # [T, D]
         r = self.route(x2)  # on x's own values (FP32 under autocast's FP32 residual stream)

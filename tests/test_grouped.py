@@ -363,6 +363,20 @@ def test_session3_trial_findings():
         mxmoe.MoE(64, 64, 4, 2, recipe="bf16")(torch.ones(3, 64, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_fp8_input_is_refused_by_name(recipe):
+    """A bare FP8 tensor into the layer or the expert product: mxmoe's TypeError naming the dtype and the
+    accepted ones (torch's own error was ``"index_copy_cpu" not implemented for 'Float8_e4m3fn'``)."""
+    x = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    want = r"expects a floating-point input x in float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"
+    with pytest.raises(TypeError, match=want + r" \(an FP8 tensor has no MX scales"):
+        mxmoe.MoE(64, 64, 4, 2, recipe=recipe)(x)
+    with pytest.raises(TypeError, match="grouped_linear " + want):
+        grouped_linear(x, torch.randn(2, 32, 64), offsets([16, 16]), recipe)
+    with pytest.raises(TypeError, match="input w in .* got torch.float8_e5m2"):
+        grouped_linear(torch.randn(32, 64), torch.randn(2, 32, 64).to(torch.float8_e5m2), offsets([16, 16]), recipe)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_input_fp8_keeps_mx_h_and_takes_the_gradient_there(dtype):
     """Under ``swiglu_input_fp8`` the forward is exact SwiGLU and the gradient is torch's SwiGLU

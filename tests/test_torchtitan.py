@@ -554,3 +554,54 @@ def test_fsdp2_shards_converted_experts_and_matches_unsharded(tmp_path):
 
     # forked, not spawned: a spawned rank spends ~10 s importing torchtitan again (inductor, datasets)
     mp.start_processes(_fsdp2_worker, args=(2, str(tmp_path / "pg"), "mxfp8"), nprocs=2, start_method="fork")
+
+
+# The README's torchtitan Python example, exactly as the README gives it (keep the two in step).
+README_EXAMPLE = """\
+import torch
+import torch.nn.functional as F
+from torchtitan.config import JobConfig
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_args
+
+from mxmoe.integrations.torchtitan import convert_grouped_experts, cpu_histc
+
+args = deepseekv3_args["debugmodel"]  # torchtitan's DeepSeek-V3 debug model: dim 256, 8 experts, top 3
+args.n_layers = 2                     # layer 0 dense, layer 1 MoE: a quick CPU run
+args.update_from_config(JobConfig())  # what torchtitan's trainer does before building (sets moe_impl)
+model = DeepSeekV3Model(args)
+with torch.no_grad():
+    model.init_weights(buffer_device=torch.device("cpu"))
+print(convert_grouped_experts(model, "mxfp8"))  # ['layers.1.moe.experts']: its products now MXFP8
+
+tokens = torch.randint(0, args.vocab_size, (2, 64))
+with cpu_histc():  # torchtitan counts expert ids with torch.histc, which the CPU has only for floats
+    logits = model(tokens)
+loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+loss.backward()
+print(f"loss {loss.item():.3f}")
+"""
+
+
+@needs_torchtitan
+@pytest.mark.slow
+def test_readme_python_example_runs_on_the_cpu(monkeypatch, capsys):
+    """The README's example, as written, on a CPU: no patch of the tests' own (this file's histc fixture is
+    undone), only what the example does itself (``update_from_config``, :func:`cpu_histc`)."""
+    import copy
+
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+    from torchtitan.models.moe import utils
+
+    from mxmoe.integrations.torchtitan import cpu_histc
+
+    monkeypatch.undo()  # torch.histc as torch has it
+    with pytest.raises(NotImplementedError, match="histogram_cpu"):
+        torch.histc(torch.tensor([0, 1]), bins=2, min=0, max=2)
+    with cpu_histc():
+        assert torch.histc(torch.tensor([0, 1, 1]), bins=2, min=0, max=2).tolist() == [1, 2]
+    monkeypatch.setitem(deepseekv3_args, "debugmodel", copy.deepcopy(deepseekv3_args["debugmodel"]))
+    monkeypatch.setattr(utils, "TOKEN_GROUP_ALIGN_SIZE_M", utils.TOKEN_GROUP_ALIGN_SIZE_M)
+    exec(compile(README_EXAMPLE, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "['layers.1.moe.experts']" in out and "loss " in out
+    assert torch.histc is not None and "integer_histc" not in torch.histc.__name__  # put back

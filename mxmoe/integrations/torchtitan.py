@@ -38,7 +38,8 @@ Selecting it, on the command line of torchtitan's trainer (``torchtitan.train``)
 
 (``--job.custom_config_module`` imports this module, which registers the converter, and adds its
 ``--mxmoe.*`` options: ``recipe``, ``fused_swiglu``, ``validate``.) From Python:
-:func:`convert_grouped_experts` on a built model.
+:func:`convert_grouped_experts` on a built model (torchtitan builds DeepSeek-V3 from args completed by
+``args.update_from_config(JobConfig())``, as its trainer does; a CPU forward needs :func:`cpu_histc`).
 
 Compile: torchtitan 0.2.2's ``--compile.enable`` compiles each MoE layer's router and shared experts but
 leaves the ``experts`` module out (it compiles its own ``_run_experts_grouped_mm`` function instead, around
@@ -57,6 +58,7 @@ mxmoe's exact ``fp32`` test recipe), as torchtitan's own experts cast them; the 
 from the parameters' own dtype. On the CPU every recipe runs mxmoe's pure-torch reference.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +83,7 @@ TORCHTITAN_VERSION = "0.2.2"  # the release whose seams this module is written a
 CONVERTER_NAME = "mxmoe"  # for --model.converters
 
 __all__ = ["MXMoEGroupedExperts", "MXMoEConverter", "MXMoEOptions", "JobConfig", "convert_grouped_experts",
-           "run_experts", "compiled_experts", "CONVERTER_NAME", "TORCHTITAN_VERSION"]
+           "run_experts", "compiled_experts", "cpu_histc", "CONVERTER_NAME", "TORCHTITAN_VERSION"]
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -208,6 +210,30 @@ def convert_grouped_experts(model: nn.Module, recipe: "str | Recipe" = "mxfp8_12
     # torchtitan's ExpertParallel pads to this after its all-to-all (typed Literal[8, 16, 32]; a plain int)
     _moe_utils.set_token_group_alignment_size_m(rec.align)
     return names
+
+
+@contextlib.contextmanager
+def cpu_histc():
+    """Inside the block, ``torch.histc`` of an integer CPU tensor counts it as FP32 (exact below 2**24 per bin)
+    and returns the counts in its dtype, as CUDA's integer histc does.
+
+    torchtitan 0.2.2's router and token reorderer count the int64 expert ids with ``torch.histc``, which the
+    CPU has only for floats (``"histogram_cpu" not implemented for 'Long'``): wrap a CPU forward of a torchtitan
+    MoE model in this block. Floats and CUDA tensors go to torch's own histc; the previous ``torch.histc`` is
+    back on exit (it is process-wide meanwhile: other threads see the patch too).
+    """
+    histc = torch.histc
+
+    def integer_histc(input, *args, **kwargs):
+        if input.device.type == "cpu" and not input.is_floating_point():
+            return histc(input.float(), *args, **kwargs).to(input.dtype)
+        return histc(input, *args, **kwargs)
+
+    torch.histc = integer_histc
+    try:
+        yield
+    finally:
+        torch.histc = histc
 
 
 @dataclass

@@ -205,13 +205,23 @@ class _MXGroupedLinear(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
+def check_high_precision(op: str, **tensors: torch.Tensor) -> None:
+    """Raise TypeError unless every tensor is float16, bfloat16, float32 or float64, naming ``op``, the tensor
+    and its dtype: integers are no activations, and a bare FP8 tensor (``float8_e4m3fn``, ...) holds no MX
+    scales (mxmoe quantizes the high-precision values itself; prequantized operands travel as MXTensors)."""
+    for name, t in tensors.items():
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            fp8 = " (an FP8 tensor has no MX scales: pass the values it was cast from)" if t.is_floating_point() else ""
+            raise TypeError(f"{op} expects a floating-point input {name} in float16, bfloat16, float32 or float64, "
+                            f"got {t.dtype}{fp8}")
+
+
 def _check_args(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Recipe, x_mx: MXTensor | None,
                 x_wgrad: MXTensor | None) -> None:
     """:func:`grouped_linear`'s ``validate`` checks (its Raises); synchronizes with the GPU once."""
     if x.dim() != 2 or w.dim() != 3:
         raise ValueError(f"grouped_linear expects x [M, K] and w [E, N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if not (x.is_floating_point() and w.is_floating_point()):
-        raise TypeError(f"grouped_linear expects floating tensors, got {x.dtype} and {w.dtype}")
+    check_high_precision("grouped_linear", x=x, w=w)
     if x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_linear: x has K={x.shape[1]} but w has K={w.shape[2]}")
     if x.device != w.device:
@@ -248,7 +258,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             are the caller's business (mxmoe.MoE ends the last group at M).
         recipe: name (``"bf16"``, ``"mxfp8"``, ``"mxfp8_2d"``, ``"mxfp8_lowmem"`` (here: ``"mxfp8"`` with
             the weights requantized in backward),
-            ``"mxfp8_bf16_wgrad"``, ``"mxfp8_128"`` (1x128 / 128x128 groups: groups end on multiples of 128 rows), ``"fp32"``)
+            ``"mxfp8_bf16_wgrad"``, ``"mxfp8_128"`` (1x128 / 128x128 groups: groups end on multiples of 128 rows),
+            ``"mxfp8_128_lowmem"`` (here: ``"mxfp8_128"`` with the weights requantized in backward), ``"fp32"``)
             or a :class:`~mxmoe.recipes.Recipe`.
         validate: check shapes and offsets (synchronizes with the GPU once).
         x_mx: optional, ``x`` already quantized along K (e.g. tokens received in MXFP8 from an
@@ -266,7 +277,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     Raises:
         ValueError: shape mismatch, x and w on two devices, K or N not divisible by 32 under MXFP8, bad offsets, MX-wgrad
             groups not on 32-row boundaries, ``x_mx`` / ``x_wgrad`` not matching x and the recipe.
-        TypeError: non-float inputs, ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
+        TypeError: x or w not float16 / bfloat16 / float32 / float64 (integer or FP8 tensors), ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
 
     Under ``mxfp8_bf16_wgrad`` dW comes from a plain product in ``recipe.compute_dtype``: BF16
     ``torch._grouped_mm`` by default, which writes BF16, so dW is rounded to BF16 as in the ``bf16``
