@@ -10,6 +10,7 @@ checkpointing (torch.utils.checkpoint and torchtitan's apply_ac).
 """
 
 import importlib.util
+from pathlib import Path
 import subprocess
 import sys
 
@@ -601,6 +602,7 @@ def test_readme_python_example_runs_on_the_cpu(monkeypatch, capsys):
         assert torch.histc(torch.tensor([0, 1, 1]), bins=2, min=0, max=2).tolist() == [1, 2]
     monkeypatch.setitem(deepseekv3_args, "debugmodel", copy.deepcopy(deepseekv3_args["debugmodel"]))
     monkeypatch.setattr(utils, "TOKEN_GROUP_ALIGN_SIZE_M", utils.TOKEN_GROUP_ALIGN_SIZE_M)
+    assert README_EXAMPLE in (Path(__file__).parents[1] / "README.md").read_text(), "README's example changed"
     exec(compile(README_EXAMPLE, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "['layers.1.moe.experts']" in out and "loss " in out
