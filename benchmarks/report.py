@@ -198,7 +198,8 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
              fmt(r.get("peak_gib"), 1), fmt((r.get("loss") or [None])[-1], 3), str(r.get("timed_steps", "–")),
              pct(r.get("expert_share")), fmt(r.get("layer_ratio"), 2, "x"), fmt(r.get("ideal_speedup"), 2, "x")]
             for r in rows]
-    return ["torchtitan 0.2.2's own training entry point (`python -m benchmarks torchtitan`), cut flavors of the "
+    return ["![torchtitan loss](results/h200/torchtitan_loss.png)", "",
+            "torchtitan 0.2.2's own training entry point (`python -m benchmarks torchtitan`), cut flavors of the "
             "published models, `--compile.enable`, selective activation checkpointing; `bf16`: torchtitan's "
             "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter. tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps.", ""] + table(head, body)
@@ -322,10 +323,34 @@ def plot_train(rows, path):
 
 
 def plot_torchtitan(rows, path):
+    """Speed-up over bf16 and over torchao FP8 rowwise per (model, method) in ``path``; beside it
+    (``torchtitan_loss.png``) each run's logged training loss."""
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
+    ao = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "torchao_fp8"}
     labels = [f"{r.get('model')} {r.get('method')}" for r in rows]
-    _bars(path, "torchtitan: tokens/s over bf16's", labels,
-          {"x bf16": [ratio(r.get("tokens_per_s"), ref.get(r.get("model"))) for r in rows]}, "x bf16")
+    _bars(path, "torchtitan: tokens/s over bf16's and over torchao FP8 rowwise's", labels,
+          {"x bf16": [ratio(r.get("tokens_per_s"), ref.get(r.get("model"))) for r in rows],
+           "x torchao_fp8": [ratio(r.get("tokens_per_s"), ao.get(r.get("model"))) for r in rows]}, "speed-up")
+    curves = [r for r in rows if r.get("steps") and r.get("loss")]
+    if not curves:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in curves})
+    fig, axes = plt.subplots(1, len(models), figsize=(5.0 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in curves:
+            if r["model"] == model:
+                ax.plot(r["steps"], r["loss"], lw=1.0, label=r["method"])
+        ax.set_title(f"torchtitan {model}: training loss", fontsize=10)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(path).with_name("torchtitan_loss.png"), dpi=110)
+    plt.close(fig)
 
 
 PLOTS = {"quantize": plot_quantize, "gemm": plot_gemm, "linear": plot_linear, "layer": plot_layer,
