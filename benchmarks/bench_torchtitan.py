@@ -13,7 +13,7 @@ for Llama-4: memory). Data: this Python's standard library sources as JSON lines
 (``torchtitan_assets.py``); no network.
 
 Methods (``METHODS``): ``bf16`` torchtitan's ``GroupedExperts``; ``torchao_fp8`` torchao 0.18's FP8 rowwise grouped
-GEMMs on the routed experts (``torchao.fp8_grouped``: torchtitan's ``quantize.grouped_mm.float8`` needs an API
+GEMMs on the experts, shared ones included where a model has them (``torchao.fp8_grouped``: torchtitan's ``quantize.grouped_mm.float8`` needs an API
 torchao 0.18 dropped, see torchtitan_job.py); ``mxfp8_128``, ``mxfp8_128_lowmem``, ``mxfp8`` mxmoe's converter;
 ``*+linear_fp8`` the same with torchtitan's ``quantize.linear.float8`` (rowwise; LM head and router gate left
 out) on the dense linears. Every run: ``--compile.enable`` (mxmoe's experts compiled too, fullgraph) and
@@ -166,10 +166,11 @@ def expert_shape(model: str) -> dict:
     return dict(experts=E, hidden=hidden, dim=dim, top_k=layers[0].router.top_k, moe_layers=len(layers))
 
 
-def expert_timings(model: str, methods: list[str]) -> dict[str, float]:
+def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], dict]:
     """Milliseconds of one routed-experts forward + backward at the run's shape (balanced tokens per expert):
     torchtitan's BF16 GroupedExperts through its compiled grouped-mm function (as --compile.enable runs it),
-    and each mxmoe recipe's converted experts, compiled as the converter compiles them (triton's do_bench)."""
+    and each mxmoe recipe's converted experts, compiled as the converter compiles them (triton's do_bench);
+    keyed ``"bf16"`` and by recipe. Returns them with :func:`expert_shape`'s dict."""
     import torch
     import triton.testing
     from torchtitan.models.moe import moe as tt_moe
@@ -198,11 +199,11 @@ def expert_timings(model: str, methods: list[str]) -> dict[str, float]:
             MXMoEGroupedExperts.convert(e, method).compile_backend = "inductor"
         xx = x.clone().requires_grad_()
         try:
-            out[method] = triton.testing.do_bench(lambda: e(xx, counts).backward(dy), warmup=10, rep=60)
+            out[method] = triton.testing.do_bench(lambda e=e: e(xx, counts).backward(dy), warmup=10, rep=60)
         finally:
             tt_moe._run_experts_grouped_mm = saved
         del e
-    return out
+    return out, sh
 
 
 def _merge(path: Path) -> tuple[dict, list[dict]]:
@@ -286,14 +287,14 @@ def main(argv: list[str] | None = None) -> None:
     for model in sorted({m for m, _ in runs}):
         methods = [me for mo, me in runs if mo == model]
         try:
-            ms = expert_timings(model, methods)
+            ms, shape = expert_timings(model, methods)
         except Exception as e:  # noqa: BLE001  (the timing is extra: the rows stand without it)
             print(f"{model}: experts timing failed: {e!r}", flush=True)
             continue
         bf16 = next((r for r in rows if r["model"] == model and r["method"] == "bf16"), None)
         step_ms = (MODELS[model]["seq_len"] * MODELS[model]["batch"] / bf16["tokens_per_s"] * 1e3
                    if bf16 and bf16.get("tokens_per_s") else None)
-        s = expert_shape(model)["moe_layers"] * ms["bf16"] / step_ms if step_ms else None
+        s = shape["moe_layers"] * ms["bf16"] / step_ms if step_ms else None
         for r in rows:
             key = "bf16" if r["method"] == "bf16" else MX_RECIPE.get(r["method"])
             if r["model"] != model or key not in ms:

@@ -44,7 +44,8 @@ def register_cut_flavors() -> None:
 
 class TorchAOFloat8GroupedConverter:
     """``--model.converters torchao.fp8_grouped``: torchao 0.18's FP8 rowwise grouped GEMMs (dynamic rowwise
-    quantization, ``torch._scaled_grouped_mm``) on the routed experts' parameters, as torchtitan's
+    quantization, ``torch._scaled_grouped_mm``) on the parameters of every module whose fqn contains ``experts``
+    (DeepSeek-V3's shared experts too), as torchtitan's
     ``quantize.grouped_mm.float8`` would with an older torchao."""
 
     def __init__(self, job_config, parallel_dims=None):

@@ -12,7 +12,6 @@ torch 2.11, the GPU machines' release, whose Dynamo knows fewer builtins.
 import pytest
 import torch
 
-import mxmoe
 from mxmoe.moe import MoE
 
 # one recipe of each family: 1x32 (and its low-memory form), 1x128 (and its low-memory form), plain
@@ -137,4 +136,3 @@ def test_a_graph_break_fails_these_tests(monkeypatch):
     moe = MoE(64, 96, 4, 2, recipe="mxfp8")
     with pytest.raises(Exception, match="(?i)graph break|disable|skip"):
         _compiled_one_graph(moe)(torch.randn(16, 64))
-    assert mxmoe  # the package imports with the test
