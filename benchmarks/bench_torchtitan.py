@@ -167,7 +167,8 @@ def expert_shape(model: str) -> dict:
 
 
 def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], dict]:
-    """Milliseconds of one routed-experts forward + backward at the run's shape (balanced tokens per expert):
+    """Milliseconds of one routed-experts forward + backward at the run's shape (balanced tokens per expert;
+    FP32 parameters as the one-GPU run holds them, their gradients None before each, as after zero_grad):
     torchtitan's BF16 GroupedExperts through its compiled grouped-mm function (as --compile.enable runs it),
     and each mxmoe recipe's converted experts, compiled as the converter compiles them (triton's do_bench);
     keyed ``"bf16"`` and by recipe. Returns them with :func:`expert_shape`'s dict."""
@@ -198,8 +199,15 @@ def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], di
         else:
             MXMoEGroupedExperts.convert(e, method).compile_backend = "inductor"
         xx = x.clone().requires_grad_()
+
+        def step(e=e, xx=xx):  # gradients set to None first, as a training step's zero_grad leaves them
+            xx.grad = None
+            for p in e.parameters():
+                p.grad = None
+            e(xx, counts).backward(dy)
+
         try:
-            out[method] = triton.testing.do_bench(lambda e=e: e(xx, counts).backward(dy), warmup=10, rep=60)
+            out[method] = triton.testing.do_bench(step, warmup=10, rep=60)
         finally:
             tt_moe._run_experts_grouped_mm = saved
         del e

@@ -137,3 +137,25 @@ def test_requantize_weights_same_bits_less_held(recipe, backend, monkeypatch):
         assert torch.equal(a, b)
     if backend == "auto" or recipe != "mxfp8":  # (square tiles keep an FP8 copy on every route)
         assert held[0] - held[1] >= m.w13.numel() + m.w2.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unpermute_kernels_match_index_select(dtype):
+    """ops.unpermute on CUDA (one gather each way): forward and gradient bit for bit index_select's and its
+    autograd's (index_add), padding rows' gradient zero, with empty experts and poisoned padding rows."""
+    from mxmoe.moe import permute_plan
+    from mxmoe.ops import unpermute
+
+    experts = torch.randint(0, 9, (1000, 1), generator=torch.Generator().manual_seed(1)).cuda()
+    experts[(experts == 0) | (experts == 4) | (experts == 8)] = 5  # first, middle and last expert empty
+    slot_rows, _, M, _ = permute_plan(experts, 9, 128)
+    yp = wide(M, 320).to(dtype)
+    live = torch.zeros(M, dtype=torch.bool, device="cuda").index_fill_(0, slot_rows, True)
+    yp[~live] = float("nan")  # padding rows are never read
+    yp.requires_grad_()
+    g = wide(1000, 320, seed=2).to(dtype)
+    out = unpermute(yp, slot_rows)
+    (got,) = torch.autograd.grad(out, yp, g)
+    (want,) = torch.autograd.grad(yp.index_select(0, slot_rows), yp, g)
+    assert same_bytes(out, yp.detach().index_select(0, slot_rows))
+    assert same_bytes(got, want) and not got[~live].any()

@@ -234,6 +234,28 @@ def test_combine_matches_weighted_sum_and_rejects_bad_rows():
         combine(yp, slot_rows[:-1], w)
 
 
+def test_unpermute_is_index_select_with_a_copy_backward_and_rejects_bad_input():
+    """ops.unpermute: yp[slot_rows] and index_select's gradient (zero on padding rows), float64 gradcheck;
+    clear errors for wrong shapes and dtypes."""
+    from mxmoe.ops import unpermute
+
+    gen = torch.Generator().manual_seed(6)
+    experts = torch.randint(0, 5, (21, 1), generator=gen)
+    experts[experts == 2] = 3  # an empty expert
+    slot_rows, _, M, _ = permute_plan(experts, 5, 32)
+    yp = torch.randn(M, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(21, 16, generator=gen, dtype=torch.float64)
+    out = unpermute(yp, slot_rows)
+    (got,) = torch.autograd.grad(out, yp, g)
+    (want,) = torch.autograd.grad(yp.index_select(0, slot_rows), yp, g)
+    assert torch.equal(out, yp[slot_rows]) and torch.equal(got, want)
+    assert torch.autograd.gradcheck(lambda a: unpermute(a, slot_rows), (yp,))
+    with pytest.raises(TypeError, match="int64"):
+        unpermute(yp, slot_rows.int())
+    with pytest.raises(ValueError, match="unpermute expects"):
+        unpermute(yp[0], slot_rows)
+
+
 @pytest.mark.parametrize("recipe", ["fp32", "bf16", "mxfp8"])
 def test_zero_tokens_give_zero_expert_gradients(recipe):
     """An empty batch still connects the expert weights to autograd: zero gradients, not None."""

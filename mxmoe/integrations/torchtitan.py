@@ -75,7 +75,7 @@ except ImportError as e:  # torchtitan absent, or a release without these seams
                       f"'.[torchtitan]'); importing it failed: {e}") from e
 
 from mxmoe.moe import permute_plan
-from mxmoe.ops import grouped_linear, permute_tokens, swiglu
+from mxmoe.ops import grouped_linear, permute_tokens, swiglu, unpermute
 from mxmoe.ops.linear import prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
@@ -154,8 +154,10 @@ def run_experts(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1: torch.
     n = x.shape[0]
     expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=n)
     slot_rows, offs, rows, _ = permute_plan(expert_of_row[:, None], counts.numel(), recipe.align)
-    xp, _ = permute_tokens(xc, slot_rows, rows, 1)
-    return _experts(xp, w1, w2, w3, offs, recipe, fused_swiglu, validate).index_select(0, slot_rows).type_as(x)
+    # the padding gather fused with the first product's quantization where the route allows (w1: its K, dtype)
+    xp, xp_mx = permute_tokens(xc, slot_rows, rows, 1, recipe, w1)
+    yp = _experts(xp, w1, w2, w3, offs, recipe, fused_swiglu, validate, xp_mx)
+    return unpermute(yp, slot_rows).type_as(x)  # backward: a gather, not index_select's atomic index_add
 
 
 _COMPILED: dict = {}
@@ -178,13 +180,17 @@ def compiled_experts(backend: str, expert_parallel: bool = False):
     return _COMPILED[key]
 
 
-def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool):
-    """The SwiGLU experts on padded groups (``offs`` int32 end rows, the last ``x.shape[0]``)."""
+def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool, x_mx=None):
+    """The SwiGLU experts on padded groups (``offs`` int32 end rows, the last ``x.shape[0]``); ``x_mx``: x's
+    MXFP8 copies from the fused permutation (:func:`~mxmoe.ops.permute_tokens`), or None."""
+    pre = prequantized_operands(x_mx)
+    v_x = v and x_mx is None  # prequantized operands are checked by their maker, not re-validated
     if not fused_swiglu:
-        h = F.silu(grouped_linear(x, w1, offs, rec, validate=v)) * grouped_linear(x, w3, offs, rec, validate=v)
+        h = F.silu(grouped_linear(x, w1, offs, rec, validate=v_x, **pre)) * grouped_linear(x, w3, offs, rec,
+                                                                                         validate=v_x, **pre)
         return grouped_linear(h, w2, offs, rec, validate=v)
     w13 = torch.cat([w1, w3], dim=1)  # [E, 2F, D]: gate rows [:F], up rows [F:] (mxmoe.MoE's w13)
-    h = grouped_linear(x, w13, offs, rec, validate=v)  # [R, 2F]
+    h = grouped_linear(x, w13, offs, rec, validate=v_x, **pre)  # [R, 2F]
     a, a_mx = swiglu(h, rec, w2)  # fused with a's quantization where the route allows
     return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **prequantized_operands(a_mx))
 

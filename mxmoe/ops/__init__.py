@@ -9,7 +9,7 @@ features, E experts, T tokens of a K-grouped (wgrad) product.
 ``grouped``         :func:`grouped_mm` (``torch._grouped_mm`` contract) and its per-group reference
 ``linear``          :func:`grouped_linear`: the expert linear layer, fprop / dgrad / wgrad
 ``activation``      :func:`swiglu`
-``tokens``          :func:`permute_tokens`, :func:`combine`
+``tokens``          :func:`permute_tokens`, :func:`combine`, :func:`unpermute`
 ``router``          :func:`router_logits`: the router's FP32 product
 ``saved``           what autograd functions keep for backward
 ==================  ===================================================================================
@@ -24,7 +24,7 @@ from mxmoe.ops.linear import grouped_linear
 from mxmoe.ops.quantization import (quantize, quantize_dual, quantize_grouped, quantize_weight, quantize_weight_both,
                                     weight_block)
 from mxmoe.ops.router import router_logits
-from mxmoe.ops.tokens import combine, permute_tokens
+from mxmoe.ops.tokens import combine, permute_tokens, unpermute
 
 __all__ = ["quantize", "quantize_dual", "quantize_grouped", "quantize_weight", "quantize_weight_both", "weight_block",
-           "grouped_mm", "grouped_linear", "swiglu", "permute_tokens", "combine", "router_logits"]
+           "grouped_mm", "grouped_linear", "swiglu", "permute_tokens", "combine", "unpermute", "router_logits"]

@@ -113,6 +113,47 @@ class _GatherRows(torch.autograd.Function):
         return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
 
 
+class _Unpermute(torch.autograd.Function):
+    """``yp[slot_rows]`` on CUDA: the rows back in slot order, one gather kernel (a one-term gather-sum:
+    the same bits); backward one gather kernel writing each slot's gradient to its row, zero on padding
+    rows (autograd's ``index_select`` backward, ``index_add`` with atomics, gives the same values)."""
+
+    @staticmethod
+    def forward(ctx, yp, slot_rows, be: Backend):
+        ctx.save_for_backward(slot_rows)
+        ctx.rows, ctx.ops = yp.shape[0], layer_ops_for(yp, be)
+        return ctx.ops.gather_sum(yp, slot_rows, 1, None)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (slot_rows,) = ctx.saved_tensors
+        return ctx.ops.gather_rows(dy, row_tokens(slot_rows, ctx.rows, 1), ctx.rows), None, None
+
+
+def unpermute(yp: torch.Tensor, slot_rows: torch.Tensor, *, backend: Backend | None = None) -> torch.Tensor:
+    """Expert-ordered rows back in slot order, unweighted: ``yp[slot_rows]`` ``[S, D]`` in yp's dtype, the
+    adjoint of :func:`permute_tokens` with ``top_k=1`` (its gradient ``dyp`` is the slots' gradient rows
+    at their rows, zero on padding rows). For callers that combine outside (torchtitan's experts); the
+    top-k weighted combine is :func:`combine`.
+
+    Args:
+        yp: ``[M, D]`` float, rows grouped by expert (padding rows ignored).
+        slot_rows: ``[S]`` int64, distinct rows of yp (from :func:`mxmoe.moe.permute_plan`; unchecked: an
+            out-of-range row reads zero on CUDA and raises on the CPU).
+    Raises:
+        ValueError: yp not 2-D or slot_rows not 1-D. TypeError: non-float yp, slot_rows not int64.
+    """
+    if yp.dim() != 2 or slot_rows.dim() != 1:
+        raise ValueError(f"unpermute expects yp [M, D] and slot_rows [S]; got {tuple(yp.shape)}, {tuple(slot_rows.shape)}")
+    if not yp.is_floating_point() or slot_rows.dtype != torch.int64:
+        raise TypeError(f"unpermute expects float yp and int64 slot_rows, got {yp.dtype}, {slot_rows.dtype}")
+    be = backend or resolve(yp.device)
+    if layer_ops_for(yp, be) is not None:
+        return _Unpermute.apply(yp, slot_rows, be)
+    return _GatherRows.apply(yp, slot_rows)
+
+
 class _Combine(torch.autograd.Function):
     """The top-k combine on CUDA: one gather-sum kernel forward; backward one pass over the expert
     rows writing their gradient and the router weights' gradient (see :func:`combine`)."""
