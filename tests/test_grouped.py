@@ -440,3 +440,38 @@ def test_cpu_bf16_grouped_mm_gradients_of_empty_groups_are_zero():
     assert torch.equal(y[:280], want) and not y[280:].any()
     da, db = torch.autograd.grad(y, (a, b), torch.randn(300, 96, generator=g).bfloat16())
     assert not db[1].any() and not da[280:].any() and db[0].any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("recipe", ["bf16", "fp32", "mxfp8", "mxfp8_2d", "mxfp8_128", "mxfp8_128_lowmem",
+                                    "mxfp8_bf16_wgrad"])
+def test_weight_parts_are_the_concatenated_weight(recipe, device):
+    """grouped_linear with w = (w1, w3): the output and x's gradient of the concatenated weight, and each
+    part's gradient that gradient's slice, a contiguous tensor of the part's shape (its own wgrad output on
+    the MX routes, not a copy of a slice); bit for bit on the CPU, within FP32 summation order on CUDA
+    (one product per part may tile differently). Parts that do not match are refused."""
+    g = torch.Generator().manual_seed(11)
+    n = 128 if "128" in recipe else 32
+    E, K, sizes = 3, 2 * n, [n, 0, 2 * n]
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(3 * n, K, generator=g).to(device, dt)
+    w1, w3 = (torch.randn(E, s, K, generator=g).to(device) for s in (2 * n, n))
+    dy = torch.randn(3 * n, 3 * n, generator=g).to(device, dt)
+    offs = offsets(sizes).to(device)
+    outs = []
+    for parts in (False, True):
+        xx, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w3.clone().requires_grad_()
+        w = (a, b) if parts else torch.cat([a, b], 1)
+        y = grouped_linear(xx, w, offs, recipe)
+        y.backward(dy)
+        outs.append((y, xx.grad, a.grad, b.grad))
+    for got, want in zip(outs[1], outs[0]):
+        assert got.shape == want.shape and got.is_contiguous()
+        if device == "cpu":
+            assert torch.equal(got, want)
+        else:
+            assert torch.isfinite(got).all() and rel(got, want) < 1e-5
+    with pytest.raises(ValueError, match="share E, K and dtype"):
+        grouped_linear(x, (w1, w3.double()), offs, recipe)
+    with pytest.raises(ValueError, match="empty tuple"):
+        grouped_linear(x, (), offs, recipe)

@@ -17,19 +17,21 @@ tensor / expert parallel placements, distributed checkpoints and the Hugging Fac
 are untouched), whose forward runs :func:`mxmoe.grouped_linear` under the chosen recipe.
 
 Padding. Without expert parallelism the experts pad each expert's row group to ``Recipe.align`` rows
-themselves (32, or 128 under ``mxfp8_128``; mxmoe's permutation plan, no host synchronization) and
-gather the rows back after the products. Under expert parallelism torchtitan's ``ExpertParallel`` pads
+themselves (32, or 128 under ``mxfp8_128``; mxmoe's permutation plan, no host synchronization): one
+gather into the padded groups, fused with the quantization of x for the first product where the route
+allows (:func:`mxmoe.ops.permute_tokens`), and one back after the products (:func:`mxmoe.ops.unpermute`,
+whose backward is a gather too). Under expert parallelism torchtitan's ``ExpertParallel`` pads
 the received rows to ``TOKEN_GROUP_ALIGN_SIZE_M`` after its all-to-all; the converter sets that to the
 recipe's alignment (``set_token_group_alignment_size_m``, as torchtitan's own MXFP8 converter does).
 Expert parallelism is not yet exercised in a multi-GPU run.
 
-Fused and unfused. With ``fused_swiglu`` (the default) the gate and up weights are concatenated per
-forward into ``w13 = cat(w1, w3) [E, 2F, D]`` (a copy of both weights each step and its gradient split
-in backward), so x is quantized once for one product ``x w13^T -> h [M, 2F]``, and mxmoe's SwiGLU
+Fused and unfused. With ``fused_swiglu`` (the default) the gate and up weights are one product's weight
+parts (:func:`mxmoe.grouped_linear` with ``w=(w1, w3)``: concatenated where they are quantized, and
+each part's gradient its own wgrad output), so x is quantized once for one product ``x [w1; w3]^T -> h
+[M, 2F]``, and mxmoe's SwiGLU
 (:func:`mxmoe.ops.swiglu`) is fused with the quantization of its output for the W2 product where the
 GPU route allows (Hopper: the expansion route under ``mxfp8`` / ``mxfp8_2d``, the promote-per-128
-route under ``mxfp8_128``). Unfused: torchtitan's token reorder and combine stay torchtitan's, and the
-padding is a gather before the products and one after. With ``fused_swiglu=False`` the three products
+route under ``mxfp8_128``). torchtitan's token reorder and combine stay torchtitan's either way. With ``fused_swiglu=False`` the three products
 run as torchtitan writes them (x quantized twice, torch's SwiGLU), each an MX :func:`~mxmoe.grouped_linear`.
 
 Selecting it, on the command line of torchtitan's trainer (``torchtitan.train``)::
@@ -189,8 +191,9 @@ def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool, x_mx
         h = F.silu(grouped_linear(x, w1, offs, rec, validate=v_x, **pre)) * grouped_linear(x, w3, offs, rec,
                                                                                          validate=v_x, **pre)
         return grouped_linear(h, w2, offs, rec, validate=v)
-    w13 = torch.cat([w1, w3], dim=1)  # [E, 2F, D]: gate rows [:F], up rows [F:] (mxmoe.MoE's w13)
-    h = grouped_linear(x, w13, offs, rec, validate=v_x, **pre)  # [R, 2F]
+    # one product with cat(w1, w3) [E, 2F, D] (gate rows [:F], up rows [F:], mxmoe.MoE's w13), each part's
+    # dW its own wgrad output: no copy of a concatenated gradient into w1.grad / w3.grad
+    h = grouped_linear(x, (w1, w3), offs, rec, validate=v_x, **pre)  # [R, 2F]
     a, a_mx = swiglu(h, rec, w2)  # fused with a's quantization where the route allows
     return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **prequantized_operands(a_mx))
 

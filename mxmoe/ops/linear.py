@@ -116,7 +116,10 @@ class _MXGroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend):
+    def forward(ctx, x, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend, *ws):
+        # ws: the weight, or its parts along N (their concatenation is the weight; each gets its own dW)
+        w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=1)
+        ctx.splits = [p.shape[1] for p in ws]
         rule, g = recipe.scale_rule, recipe.act_block
         exp = _expansion(x, w, recipe, be)
         grouped = exp is None and be.grouped_scales(recipe)
@@ -166,8 +169,8 @@ class _MXGroupedLinear(torch.autograd.Function):
         recipe, rule, g, be = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block, ctx.be
         offs, w, *rest = ctx.saved_tensors
         x_saved, w_dgrad = unpack(rest[:ctx.n_x], ctx.x_meta), unpack(rest[ctx.n_x:], ctx.w_meta)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = dw = None
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+        dx, dws = None, [None] * len(ctx.splits)
         dyq = dyq_t = None  # dy along N (dgrad), along tokens as [N, M] (wgrad)
         if ctx.expansion:
             from mxmoe.kernels import dispatch
@@ -196,13 +199,31 @@ class _MXGroupedLinear(torch.autograd.Function):
                     from mxmoe.kernels import dispatch
                     dw = _product(dyq_t, x_saved, offs, torch.bfloat16, be)
                     dyq_t = None
-                    dw = dispatch.bf16_to(dw, ctx.w_dtype, be)
+                    dws = [dispatch.bf16_to(d, ctx.w_dtype, be) for d in _parts(dw, ctx.splits, 1)]
+                elif is_mx(dyq_t) and dyq_t.grouped is None:  # one FP32 product per part: dW written in place
+                    dws = [_product(d, x_saved, offs, torch.float32, be) for d in _parts(dyq_t, ctx.splits, 0)]
                 else:
-                    dw = _product(dyq_t, x_saved, offs, torch.float32, be)
+                    dws = _parts(_product(dyq_t, x_saved, offs, torch.float32, be), ctx.splits, 1)
             else:
-                dw = grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False, backend=be)
-            dw = dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None
+                dws = _parts(grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False, backend=be),
+                             ctx.splits, 1)
+            dws = [d.to(ctx.w_dtype) for d in dws]
+        return dx, None, None, None, None, None, *dws
+
+
+def _parts(t, splits: list[int], dim: int) -> list:
+    """``t`` (a tensor or an MXTensor, not quantized along ``dim``) cut along ``dim`` into pieces of
+    ``splits`` sizes (views; :class:`_MXGroupedLinear`'s weight parts)."""
+    if len(splits) == 1:
+        return [t]
+    out, a = [], 0
+    for n in splits:
+        if isinstance(t, MXTensor):
+            out.append(MXTensor(t.data.narrow(dim, a, n), t.scale.narrow(dim, a, n), t.axis, t.scale_rule, t.block))
+        else:
+            out.append(t.narrow(dim, a, n))
+        a += n
+    return out
 
 
 def check_high_precision(op: str, **tensors: torch.Tensor) -> None:
@@ -251,7 +272,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
 
     Args:
         x: ``[M, K]`` float activations, rows grouped by expert (group ends in ``offs``).
-        w: ``[E, N, K]`` float expert weights.
+        w: ``[E, N, K]`` float expert weights, or a tuple of parts ``[E, N_i, K]`` (one dtype; each N_i
+            a whole number of the recipe's scale groups) taken as their concatenation along N, e.g. the
+            gate and up projections as one product. Under MXFP8 recipes each part's gradient is its own
+            product's output (no copy of a concatenated gradient; on the expansion route its cast).
         offs: int32 ``[E]`` cumulative end rows; under MXFP8 recipes with MX wgrad every group must
             end on a multiple of 32 rows (wgrad's 32-token blocks must not mix experts). With
             ``validate``, rows past ``offs[-1]`` give zero output and zero gradient; without it they
@@ -285,10 +309,17 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     """
     recipe = get_recipe(recipe)
     be = backend or resolve(x.device)
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     if validate:
-        _check_args(x, w, offs, recipe, x_mx, x_wgrad)
+        if not ws:
+            raise ValueError("grouped_linear: w is an empty tuple of weight parts")
+        for part in ws:  # each part a weight of its own (its N a whole number of scale groups)
+            _check_args(x, part, offs, recipe, x_mx, x_wgrad)
+        if len(ws) > 1 and len({(p.shape[0], p.shape[2], p.dtype) for p in ws}) > 1:
+            raise ValueError(f"grouped_linear: the weight parts must share E, K and dtype, got "
+                             f"{[(tuple(p.shape), p.dtype) for p in ws]}")
         if x.shape[0] == 0:  # no rows: an empty result that still connects x and w to autograd
-            return x.new_zeros(0, w.shape[1]) + (x.sum() + w.sum()).to(x.dtype) * 0
+            return x.new_zeros(0, sum(p.shape[1] for p in ws)) + (x.sum() + sum(p.sum() for p in ws)).to(x.dtype) * 0
         end = int(offs[-1]) if offs.numel() else 0
         if end < x.shape[0]:  # rows outside every group: zero in, zero out, zero gradient (no garbage)
             keep = (torch.arange(x.shape[0], device=x.device) < end).unsqueeze(1)
@@ -296,7 +327,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             return torch.where(keep, grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx,
                                                     x_wgrad=x_wgrad, backend=be), 0)
     if recipe.mxfp8:
-        return _MXGroupedLinear.apply(x, w, offs, recipe, x_mx, x_wgrad, be)
+        return _MXGroupedLinear.apply(x, offs, recipe, x_mx, x_wgrad, be, *ws)
+    w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=1)  # (autograd splits the gradient)
     dt = getattr(torch, recipe.compute_dtype)
     if dt == torch.bfloat16 and w.dtype == torch.float32 and layer_ops_for(w, be) is not None:
         w16 = _ToBF16.apply(w, be)  # the same cast, its backward through the layer's cast kernel
