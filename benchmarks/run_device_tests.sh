@@ -18,7 +18,7 @@ FILES="tests/test_grouped_gemm_sm90.py tests/test_grouped_gemm_sm90_128.py tests
  tests/test_quantize_128.py tests/test_grouped_128.py tests/test_out_dtype.py
  tests/test_train.py tests/test_sm90_scales.py tests/test_router.py tests/test_grouped.py tests/test_torchtitan.py"
 gpu_test_files 330 $FILES
-step 50 python3 -m mxmoe train --preset tiny --device cuda --overwrite --out /tmp/mxmoe_tiny
+step 120 python3 -m mxmoe train --preset tiny --device cuda --overwrite --out /tmp/mxmoe_tiny
 [ "${BENCH:-1}" = 1 ] || exit 0
 step 150 python3 -m benchmarks layer gemm --quick --out-dir "$OUT"
 grep -v "it/s" "$LOG" | grep -v "^E  \|^ \|^$" | tail -c 9000

@@ -638,9 +638,12 @@ def test_gpu_experts_fused_permute_and_unpermute(recipe, fused_swiglu, monkeypat
         return [y.float(), xx.grad.float(), e.w1.grad, e.w2.grad, e.w3.grad]
 
     fused, plain, compiled = run_experts(True), run_experts(False), run_experts(True, "inductor")
+    # compiled: inductor fuses torch's SwiGLU of the unfused products (FP32 silu * up, one rounding; eager
+    # rounds twice), and the next product's E4M3 rounding turns some one-ulp BF16 differences into 1/16 ones:
+    # 1.2e-2 measured on the H200 (fused: mxmoe's own SwiGLU either way, under 1e-3)
     for a, b, c in zip(fused, plain, compiled):
         assert torch.isfinite(a).all() and torch.equal(a, b)
-        assert rel(c, a) < 1e-3
+        assert rel(c, a) < (1e-3 if fused_swiglu else 3e-2)
     xd, w1, w2, w3 = x.double(), base.w1.double(), base.w2.double(), base.w3.double()
     ref, start = [], 0
     for k, n in enumerate(counts.tolist()):

@@ -734,7 +734,7 @@ def test_compile_many_recipes_one_process(tmp_path, caplog):
 # vs 2.13 (benchmarks/results/cpu/train_default_seed0.json: torch 2.11, 2 threads, AVX512, the same losses).
 FIRST_STEPS = {"bf16": [5.794955730438232, 5.576299667358398, 5.369964122772217, 5.079203128814697],
                "mxfp8": [5.793492317199707, 5.569596290588379, 5.3713698387146, 5.08334493637085]}
-FIRST_STEPS_ENV = {"threads": 1, "capability": "AVX512", "data_bytes": (30013929, 1514871)}
+FIRST_STEPS_ENV = {"threads": 1, "data_bytes": (30013929, 1514871)}
 # the largest difference from FIRST_STEPS over those variations at steps 1-4 was 1.6e-3 nats (MKL_CBWR,
 # AVX2, one / two threads, the old AMD dev machine's stored run): other CPUs must agree to twice that
 FIRST_STEPS_SPREAD = 3e-3
@@ -742,8 +742,8 @@ FIRST_STEPS_SPREAD = 3e-3
 
 @pytest.mark.slow
 def test_default_preset_first_steps_match_the_stored_losses():
-    """The default run's first 4 steps against the stored figures: bit for bit on the recorded kernels
-    (one thread, AVX512), within the measured machine-to-machine spread elsewhere; other data is skipped."""
+    """The default run's first 4 steps against the stored figures, within the measured machine-to-machine
+    spread (one thread; other data is skipped)."""
     from mxmoe.corpus import load_corpus
     from mxmoe.train import train_recipe
 
@@ -760,7 +760,7 @@ def test_default_preset_first_steps_match_the_stored_losses():
                ["train_loss"] for r in FIRST_STEPS}
     finally:
         torch.set_num_threads(threads)
-    if torch.backends.cpu.get_cpu_capability() == FIRST_STEPS_ENV["capability"]:
-        assert got == FIRST_STEPS
+    # (not bit for bit on every AVX512 CPU: this development machine's, 2026-12-04, differs by up to 4.9e-4
+    # at step 4 from the recording machine's, both AVX512 at one thread)
     for r, want in FIRST_STEPS.items():
         assert got[r] == pytest.approx(want, abs=FIRST_STEPS_SPREAD), r
