@@ -189,20 +189,22 @@ def train_section(rows: list[dict]) -> list[str]:
 
 def torchtitan_section(rows: list[dict]) -> list[str]:
     head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "loss at the last step",
-            "timed steps", "expert share", "experts ratio", "ideal speed-up"]
+            "timed steps", "expert share", "experts ratio", "ideal speed-up", "commit"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
     ao = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "torchao_fp8"}
     body = [[str(r.get("model")), str(r.get("method")), fmt(r.get("tokens_per_s"), 0),
              fmt(ratio(r.get("tokens_per_s"), ref.get(r.get("model"))), 3, "x"),
              fmt(ratio(r.get("tokens_per_s"), ao.get(r.get("model"))), 3, "x"), pct(r.get("mfu"), 1),
              fmt(r.get("peak_gib"), 1), fmt((r.get("loss") or [None])[-1], 3), str(r.get("timed_steps", "–")),
-             pct(r.get("expert_share")), fmt(r.get("layer_ratio"), 2, "x"), fmt(r.get("ideal_speedup"), 2, "x")]
+             pct(r.get("expert_share")), fmt(r.get("layer_ratio"), 2, "x"), fmt(r.get("ideal_speedup"), 2, "x"),
+             str(r.get("commit", "–"))]  # rows merged from several calls carry their own commit
             for r in rows]
     return ["![torchtitan loss](results/h200/torchtitan_loss.png)", "",
             "torchtitan 0.2.2's own training entry point (`python -m benchmarks torchtitan`), cut flavors of the "
             "published models, `--compile.enable`, selective activation checkpointing; `bf16`: torchtitan's "
             "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter. tokens/s: median of "
-            "the logged 5-step intervals after 10 warm-up steps.", ""] + table(head, body)
+            "the logged 5-step intervals after 10 warm-up steps. Rows from several calls (their commit column; the "
+            "header's git note): ratios across commits compare calls on different machines.", ""] + table(head, body)
 
 
 SECTIONS = {"quantize": ("Quantization kernels", quantize_section), "gemm": ("Grouped GEMMs", gemm_section),
