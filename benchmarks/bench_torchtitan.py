@@ -3,7 +3,7 @@ beside torchao 0.18's FP8 rowwise MoE and mxmoe's recipes, back to back in one c
 
     python -m benchmarks torchtitan [--quick] [--out benchmarks/results/<gpu>/torchtitan.json]
         [--models dsv3-16b,qwen3-30b-a3b,llama4-17bx16e] [--methods bf16,torchao_fp8,mxfp8_128,...]
-        [--steps 110] [--run-s 170] [--dry-run]
+        [--steps 110] [--run-s 170] [--dry-run] [--parity] [--resume-check]
 
 Models (``MODELS``): torchtitan's published flavors with the layer count cut to fit one H200 with FP32 master
 weights and AdamW (``benchmarks/torchtitan_job.py`` registers the cut flavors from outside torchtitan), their own
@@ -28,6 +28,15 @@ alone at the run's shape, torchtitan's compiled BF16 experts, times the MoE laye
 ``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
 (model, method), so split calls add up.
 
+``--parity``: loss parity instead of speed, ``--parity-methods`` (bf16,mxfp8_128) x seeds 0 and 1 on
+``--parity-model`` (dsv3-16b), 1000 steps of ``--parity-batch`` (1) sequences, ``--parallel`` (2) runs at a time
+on the GPU; rows of kind "parity" (the loss curve) and the header's ``parity`` summary (final loss: the mean of
+the last ``--parity-tail`` logged losses; bf16's seed spread; each method's gap). ``--resume-check``: a
+kill-and-resume through torchtitan's distributed checkpoints with the converter (``--resume-model`` dsv3-debug,
+torchtitan's DeepSeek-V3 debug model; an uninterrupted run, the same with ``--checkpoint.enable`` SIGKILLed
+after step ``--resume-kill``, then resumed); a row of kind "resume". Both are orchestrated as the speed runs
+are; on the CPU they are tested against a fake trainer (tests/test_benchmarks.py), not yet on the GPU.
+
 ``--dry-run`` (CPU is enough): parses every run's configuration through torchtitan's ConfigManager and builds
 its model on the meta device with the converters: the flags, the flavors and the converters, checked.
 Needs torchtitan 0.2.2 (and torchao 0.18 for ``torchao_fp8``) importable: on the GPU machine the wheels travel
@@ -39,6 +48,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +67,8 @@ MODELS = {
     "dsv3-16b": dict(model="deepseek_v3", flavor="16B-cut4", seq_len=4096, batch=4),
     "qwen3-30b-a3b": dict(model="qwen3", flavor="30B-A3B-cut4", seq_len=4096, batch=4),
     "llama4-17bx16e": dict(model="llama4", flavor="17bx16e-cut2", seq_len=8192, batch=1),
+    # torchtitan's own DeepSeek-V3 debug model (dim 256, 8 experts of 256, top-3): the kill-and-resume check
+    "dsv3-debug": dict(model="deepseek_v3", flavor="debugmodel", seq_len=2048, batch=2),
 }
 _LINEAR_FP8 = ["--quantize.linear.float8.recipe_name", "rowwise", "--quantize.linear.float8.filter_fqns",
                "output,router.gate"]
@@ -76,9 +89,11 @@ DEFAULT_PLAN = [("dsv3-16b", m) for m in METHODS] + [
     for m in ("bf16", "torchao_fp8", "mxfp8_128", "mxfp8_128_lowmem", "mxfp8")]
 
 
-def run_args(model: str, method: str, steps: int, dump: str, seed: int = 0) -> list[str]:
-    """torchtitan.train's flags for one (model, method) run."""
-    m = MODELS[model]
+def run_args(model: str, method: str, steps: int, dump: str, seed: int = 0, batch: int | None = None,
+             extra: tuple[str, ...] = ()) -> list[str]:
+    """torchtitan.train's flags for one (model, method) run (``batch``: sequences a step instead of the
+    model's; ``extra``: further flags, e.g. the checkpoint's)."""
+    m = dict(MODELS[model], **({"batch": batch} if batch else {}))
     return ["--job.custom_config_module", "benchmarks.torchtitan_job", "--job.dump_folder", dump,
             "--model.name", m["model"], "--model.flavor", m["flavor"],
             "--model.hf_assets_path", str(ASSETS / "tokenizer"),
@@ -87,7 +102,13 @@ def run_args(model: str, method: str, steps: int, dump: str, seed: int = 0) -> l
             "--training.steps", str(steps), "--debug.seed", str(seed),
             "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "10",
             "--parallelism.expert_parallel_degree", "1", "--activation_checkpoint.mode", "selective",
-            "--metrics.log_freq", "5", "--compile.enable"] + METHODS[method]
+            "--metrics.log_freq", "5", "--compile.enable"] + METHODS[method] + list(extra)
+
+
+def train_cmd(*args, **kwargs) -> list[str]:
+    """torchrun (one process) of torchtitan.train with :func:`run_args`."""
+    return ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+             "-m", "torchtitan.train"] + run_args(*args, **kwargs))
 
 
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
@@ -214,12 +235,134 @@ def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], di
     return out, sh
 
 
+def row_key(r: dict) -> tuple:
+    """Rows merge by (model, method, kind, seed): kind "speed" (the default plan's rows), "parity" or "resume"."""
+    return r.get("model"), r.get("method"), r.get("kind", "speed"), r.get("seed", 0)
+
+
 def _merge(path: Path) -> tuple[dict, list[dict]]:
     if path.exists():
         d = json.loads(path.read_text())
         if d.get("header", {}).get("suite") == SUITE:
             return d["header"], d["rows"]
     return {}, []
+
+
+def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Start a torchtitan run in its own process group (so a kill reaches torchrun's worker), output in ``log``."""
+    f = open(log, "w")
+    f.write(" ".join(cmd) + "\n")
+    f.flush()
+    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    p.log_file = f
+    return p
+
+
+def _finish(p: subprocess.Popen, deadline: float) -> int:
+    """Wait for ``p`` until ``deadline`` (time.time()); past it the process group is killed: rc 124."""
+    try:
+        rc = p.wait(timeout=max(deadline - time.time(), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        rc = 124
+    p.log_file.close()
+    return rc
+
+
+def tail_mean(loss: list[float], n: int) -> float | None:
+    """Mean of the last ``n`` logged losses (None without any)."""
+    return statistics.fmean(loss[-n:]) if loss else None
+
+
+def parity_summary(rows: list[dict], model: str, tail: int) -> dict:
+    """The 1000-step loss parity: each method's final loss (mean of its last ``tail`` logged losses) per seed,
+    bf16's seed spread (max - min over seeds) and each method's gap to bf16 (mean over seeds), ``within``
+    when the gap is no larger than the spread."""
+    final: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r.get("kind") == "parity" and r.get("model") == model and r.get("loss"):
+            final.setdefault(r["method"], {})[r["seed"]] = tail_mean(r["loss"], tail)
+    out = {"model": model, "tail_logged_steps": tail, "final_loss": final}
+    bf = list(final.get("bf16", {}).values())
+    if len(bf) >= 2:
+        spread = max(bf) - min(bf)
+        out["bf16_seed_spread"] = spread
+        for m, v in final.items():
+            if m != "bf16":
+                gap = statistics.fmean(v.values()) - statistics.fmean(bf)
+                out[f"gap_{m}"] = gap
+                out[f"within_{m}"] = abs(gap) <= spread
+    return out
+
+
+def parity(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> list[dict]:
+    """Loss parity on ``a.parity_model``: ``a.parity_methods`` x seeds 0 and 1, ``a.steps`` steps each at
+    ``a.parity_batch`` sequences a step, ``a.parallel`` runs at a time on the one GPU (their tokens/s is
+    not a speed figure). Rows of kind "parity" (the loss curve), the summary in the header."""
+    model = a.parity_model
+    todo = [(m, seed) for m in a.parity_methods.split(",") for seed in (0, 1)]
+    deadline = time.time() + a.run_s
+    while todo:
+        batch, todo = todo[:a.parallel], todo[a.parallel:]
+        procs = []
+        for method, seed in batch:
+            log = logdir / f"parity_{model}_{method.replace('+', '_')}_seed{seed}.txt"
+            cmd = train_cmd(model, method, a.steps, f"/tmp/tt_parity/{model}_{method}_{seed}", seed, a.parity_batch)
+            procs.append((method, seed, log, time.time(), _launch(cmd, log)))
+        for method, seed, log, t0, p in procs:
+            rc = _finish(p, deadline)
+            parsed = parse_log(log.read_text(errors="replace"), a.warmup)
+            row = {"model": model, "method": method, "seed": seed, "kind": "parity", "rc": rc,
+                   "batch": a.parity_batch, "wall_s": round(time.time() - t0, 1), "steps": parsed["steps"],
+                   "loss": parsed["loss"], "peak_gib": parsed["peak_gib"]}
+            rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
+            print(f"parity {model} {method} seed {seed}: rc {rc}, {len(row['steps'])} logged steps, last loss "
+                  f"{row['loss'][-1] if row['loss'] else None}", flush=True)
+        head["parity"] = parity_summary(rows, model, a.parity_tail)
+        C.write_result(out, head, rows)
+    print("parity:", json.dumps(head["parity"]), flush=True)
+    return rows
+
+
+def resume_check(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> list[dict]:
+    """Kill-and-resume through torchtitan's distributed checkpoints (``--checkpoint.enable``) with the converter:
+    an uninterrupted run of ``a.resume_steps`` steps; the same run with checkpoints every ``a.resume_interval``
+    steps, SIGKILLed once its log shows step ``a.resume_kill``; then that command again, which loads the
+    newest checkpoint and runs to the end. Row of kind "resume": the three loss curves by step and the
+    largest |resumed - uninterrupted| loss over the steps both logged after the checkpoint."""
+    model, method, steps = a.resume_model, a.resume_method, a.resume_steps
+    base = Path("/tmp/tt_resume")
+    shutil.rmtree(base, ignore_errors=True)
+    ckpt = ("--checkpoint.enable", "--checkpoint.interval", str(a.resume_interval))
+    deadline = time.time() + a.run_s
+    curves, rcs = {}, {}
+    for name in ("uninterrupted", "killed", "resumed"):
+        extra = () if name == "uninterrupted" else ckpt
+        dump = base / ("full" if name == "uninterrupted" else "run")
+        log = logdir / f"resume_{model}_{method}_{name}.txt"
+        p = _launch(train_cmd(model, method, steps, str(dump), 0, None, extra), log)
+        if name == "killed":  # wait for the kill step's log line (or the run's end)
+            pat = re.compile(rf"step:\s*{a.resume_kill}\b")
+            while p.poll() is None and time.time() < deadline and not pat.search(
+                    re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))):
+                time.sleep(0.1)
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        rcs[name] = _finish(p, deadline)
+        parsed = parse_log(log.read_text(errors="replace"), 0)
+        curves[name] = dict(zip(parsed["steps"], parsed["loss"]))
+        print(f"resume {name}: rc {rcs[name]}, logged steps {parsed['steps']}", flush=True)
+    after = [st for st in curves["resumed"] if st > a.resume_interval and st in curves["uninterrupted"]]
+    diff = max((abs(curves["resumed"][st] - curves["uninterrupted"][st]) for st in after), default=None)
+    row = {"model": model, "method": method, "kind": "resume", "rc": rcs, "interval": a.resume_interval,
+           "killed_after_step": a.resume_kill, "first_resumed_step": min(curves["resumed"], default=None),
+           "loss_by_step": curves, "max_abs_loss_diff_after_resume": diff, "compared_steps": after}
+    rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
+    C.write_result(out, head, rows)
+    print(f"resume: first resumed step {row['first_resumed_step']}, max |resumed - uninterrupted| {diff} over "
+          f"steps {after}", flush=True)
+    return rows
 
 
 def build_parser():
@@ -234,6 +377,21 @@ def build_parser():
     ap.add_argument("--timing-only", action="store_true",
                     help="only the experts' timing, for the (model, method) rows already in --out")
     ap.add_argument("--dry-run", action="store_true", help="parse each run's config and build it on meta (CPU)")
+    ap.add_argument("--parity", action="store_true",
+                    help="loss parity instead of speed: --parity-methods x seeds 0, 1 on --parity-model (default "
+                         "1000 steps)")
+    ap.add_argument("--parity-model", default="dsv3-16b")
+    ap.add_argument("--parity-methods", default="bf16,mxfp8_128")
+    ap.add_argument("--parity-batch", type=int, default=1, help="sequences a step in the parity runs")
+    ap.add_argument("--parity-tail", type=int, default=20, help="logged steps averaged for the final loss")
+    ap.add_argument("--parallel", type=int, default=2, help="parity runs at a time on the GPU")
+    ap.add_argument("--resume-check", action="store_true",
+                    help="kill-and-resume through torchtitan's DCP checkpoints instead of speed")
+    ap.add_argument("--resume-model", default="dsv3-debug")
+    ap.add_argument("--resume-method", default="mxfp8_128")
+    ap.add_argument("--resume-steps", type=int, default=200)
+    ap.add_argument("--resume-interval", type=int, default=100)
+    ap.add_argument("--resume-kill", type=int, default=150, help="the step after whose log line the run is killed")
     return ap
 
 
@@ -257,7 +415,14 @@ def plan(models: str | None, methods: str | None, quick: bool) -> list[tuple[str
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
     runs = plan(a.models, a.methods, a.quick)
-    steps = a.steps or (30 if a.quick else 110)
+    if a.parity:
+        runs = [(a.parity_model, m) for m in a.parity_methods.split(",")]
+    elif a.resume_check:
+        runs = [(a.resume_model, a.resume_method)]
+    bad = [mo for mo, me in runs if mo not in MODELS] + [me for mo, me in runs if me not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown model(s) or method(s) {bad}; models: {', '.join(MODELS)}; methods: {', '.join(METHODS)}")
+    steps = a.steps = a.steps or (30 if a.quick else 1000 if a.parity else 110)
     out = Path(a.out or C.default_out(SUITE))
     if a.dry_run:
         ensure_assets()
@@ -271,10 +436,15 @@ def main(argv: list[str] | None = None) -> None:
                                   models={k: MODELS[k] for k in {m for m, _ in runs}})}
     logdir = out.parent / "torchtitan_logs"
     logdir.mkdir(parents=True, exist_ok=True)
+    if a.parity:
+        parity(a, head, rows, out, logdir)
+        return
+    if a.resume_check:
+        resume_check(a, head, rows, out, logdir)
+        return
     for model, method in ([] if a.timing_only else runs):
         log = logdir / f"{model}_{method.replace('+', '_')}.txt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               "-m", "torchtitan.train"] + run_args(model, method, steps, f"/tmp/tt_out/{model}_{method}", a.seed)
+        cmd = train_cmd(model, method, steps, f"/tmp/tt_out/{model}_{method}", a.seed)
         t0 = time.time()
         with open(log, "w") as f:
             f.write(" ".join(cmd) + "\n")
@@ -286,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
                **parse_log(log.read_text(errors="replace"), a.warmup)}
         row["graph_breaks"] = len(re.findall(r"Graph break", log.read_text(errors="replace")))
-        rows = [r for r in rows if (r.get("model"), r.get("method")) != (model, method)] + [row]
+        rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
         C.write_result(out, head, rows)
         print(f"{model} {method}: rc {rc} tokens/s {row['tokens_per_s']} mfu {row['mfu']} "
               f"peak {row['peak_gib']} GiB, {row['wall_s']} s", flush=True)
@@ -299,13 +469,13 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as e:  # noqa: BLE001  (the timing is extra: the rows stand without it)
             print(f"{model}: experts timing failed: {e!r}", flush=True)
             continue
-        bf16 = next((r for r in rows if r["model"] == model and r["method"] == "bf16"), None)
+        bf16 = next((r for r in rows if row_key(r) == (model, "bf16", "speed", 0)), None)
         step_ms = (MODELS[model]["seq_len"] * MODELS[model]["batch"] / bf16["tokens_per_s"] * 1e3
                    if bf16 and bf16.get("tokens_per_s") else None)
         s = shape["moe_layers"] * ms["bf16"] / step_ms if step_ms else None
         for r in rows:
             key = "bf16" if r["method"] == "bf16" else MX_RECIPE.get(r["method"])
-            if r["model"] != model or key not in ms:
+            if r["model"] != model or key not in ms or r.get("kind", "speed") != "speed":
                 continue
             r["experts_ms"] = round(ms[key], 3)
             r["experts_ms_bf16"] = round(ms["bf16"], 3)

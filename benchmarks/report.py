@@ -187,7 +187,28 @@ def train_section(rows: list[dict]) -> list[str]:
     return out[:-1]
 
 
+def torchtitan_checks(rows: list[dict]) -> list[str]:
+    """The parity rows (final loss: mean of the last 20 logged losses) and the kill-and-resume rows."""
+    out = []
+    par = [r for r in rows if r.get("kind") == "parity"]
+    if par:
+        body = [[str(r["model"]), str(r["method"]), str(r.get("seed")), str((r.get("steps") or [None])[-1]),
+                 str(r.get("batch")), fmt(statistics.fmean(r["loss"][-20:]) if r.get("loss") else None, 4),
+                 str(r.get("commit", "–"))] for r in par]
+        out += ["", "Loss parity (`--parity`; runs two at a time on the GPU, so no speed figure): final loss = mean of "
+                "the last 20 logged steps.", ""] + table(
+            ["model", "method", "seed", "steps", "sequences a step", "final loss", "commit"], body)
+    for r in (r for r in rows if r.get("kind") == "resume"):
+        out += ["", f"Kill-and-resume (`--resume-check`, {r['model']} {r['method']}): checkpoints every "
+                f"{r.get('interval')} steps, killed after step {r.get('killed_after_step')}, resumed at step "
+                f"{r.get('first_resumed_step')}; largest |resumed - uninterrupted| loss over steps "
+                f"{r.get('compared_steps')}: {fmt(r.get('max_abs_loss_diff_after_resume'), 4)}."]
+    return out
+
+
 def torchtitan_section(rows: list[dict]) -> list[str]:
+    checks = torchtitan_checks(rows)
+    rows = [r for r in rows if r.get("kind", "speed") == "speed"]
     head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "loss at the last step",
             "timed steps", "expert share", "experts ratio", "ideal speed-up", "commit"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
@@ -204,7 +225,7 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
             "published models, `--compile.enable`, selective activation checkpointing; `bf16`: torchtitan's "
             "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter. tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps. Rows from several calls (their commit column; the "
-            "header's git note): ratios across commits compare calls on different machines.", ""] + table(head, body)
+            "header's git note): ratios across commits compare calls on different machines.", ""] + table(head, body) + checks
 
 
 SECTIONS = {"quantize": ("Quantization kernels", quantize_section), "gemm": ("Grouped GEMMs", gemm_section),
@@ -326,14 +347,15 @@ def plot_train(rows, path):
 
 def plot_torchtitan(rows, path):
     """Speed-up over bf16 and over torchao FP8 rowwise per (model, method) in ``path``; beside it
-    (``torchtitan_loss.png``) each run's logged training loss."""
+    (``torchtitan_loss.png``) each run's logged training loss (the parity runs' too)."""
+    curves = [r for r in rows if r.get("steps") and r.get("loss") and r.get("kind", "speed") in ("speed", "parity")]
+    rows = [r for r in rows if r.get("kind", "speed") == "speed"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
     ao = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "torchao_fp8"}
     labels = [f"{r.get('model')} {r.get('method')}" for r in rows]
     _bars(path, "torchtitan: tokens/s over bf16's and over torchao FP8 rowwise's", labels,
           {"x bf16": [ratio(r.get("tokens_per_s"), ref.get(r.get("model"))) for r in rows],
            "x torchao_fp8": [ratio(r.get("tokens_per_s"), ao.get(r.get("model"))) for r in rows]}, "speed-up")
-    curves = [r for r in rows if r.get("steps") and r.get("loss")]
     if not curves:
         return
     import matplotlib
@@ -346,7 +368,8 @@ def plot_torchtitan(rows, path):
     for ax, model in zip(axes[0], models):
         for r in curves:
             if r["model"] == model:
-                ax.plot(r["steps"], r["loss"], lw=1.0, label=r["method"])
+                label = r["method"] + (f" seed {r.get('seed')} (parity)" if r.get("kind") == "parity" else "")
+                ax.plot(r["steps"], r["loss"], lw=1.0, label=label)
         ax.set_title(f"torchtitan {model}: training loss", fontsize=10)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)

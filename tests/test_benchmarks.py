@@ -205,3 +205,77 @@ def test_render_torchtitan_rows(tmp_path):
     (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
     text = report.render(tmp_path)
     assert "| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.100x | – | 11.0% | 4.5 | 6.600 | – | 40% | 1.30x | 1.10x |" in text
+
+
+FAKE_TRAINER = r'''
+import os, sys, time
+a = sys.argv[1:]
+opt = lambda k, d=None: a[a.index(k) + 1] if k in a else d
+steps, seed, dump = int(opt("--training.steps")), int(opt("--debug.seed", 0)), opt("--job.dump_folder")
+ckpt = os.path.join(dump, "ckpt.txt") if "--checkpoint.enable" in a else None
+start = int(open(ckpt).read()) if ckpt and os.path.exists(ckpt) else 0
+os.makedirs(dump, exist_ok=True)
+for st in range(start + 1, steps + 1):
+    time.sleep(0.05)
+    if st == 1 or st % 5 == 0 or st == start + 1:
+        print(f"step: {st}  loss: {10 / st + 0.01 * seed:.5f}  memory: 1.50GiB(2%)  tps: 1,000  mfu: 1.00%", flush=True)
+    if ckpt and st % int(opt("--checkpoint.interval")) == 0:
+        open(ckpt, "w").write(str(st))
+'''
+
+
+def _fake_torchtitan(monkeypatch, tmp_path):
+    from benchmarks import bench_torchtitan as T
+
+    script = tmp_path / "fake_train.py"
+    script.write_text(FAKE_TRAINER)
+    monkeypatch.setattr(T, "train_cmd", lambda *a, **k: [sys.executable, str(script)] + T.run_args(*a, **k))
+    return T
+
+
+def test_torchtitan_resume_check_kills_and_resumes(monkeypatch, tmp_path):
+    """The kill-and-resume orchestration on a fake trainer (torchtitan's log lines, a checkpoint every
+    interval): the killed run stops after the kill step, the rerun starts after the last checkpoint, and its
+    losses are compared with the uninterrupted run's on the steps both log after it."""
+    T = _fake_torchtitan(monkeypatch, tmp_path)
+    a = T.build_parser().parse_args(["--resume-check", "--resume-steps", "40", "--resume-interval", "20",
+                                     "--resume-kill", "30"])
+    a.run_s = 120
+    rows = T.resume_check(a, {}, [], tmp_path / "tt.json", tmp_path)
+    (row,) = rows
+    assert row["kind"] == "resume" and row["rc"]["uninterrupted"] == 0 and row["rc"]["resumed"] == 0
+    killed = row["loss_by_step"]["killed"]
+    assert 30 in killed and max(killed) < 40  # killed after step 30's line, before the end
+    assert row["first_resumed_step"] == 21 and max(row["loss_by_step"]["resumed"]) == 40
+    assert row["compared_steps"] == [25, 30, 35, 40] and row["max_abs_loss_diff_after_resume"] == 0
+    assert json.loads((tmp_path / "tt.json").read_text())["rows"][0]["kind"] == "resume"
+
+
+def test_torchtitan_parity_runs_two_seeds_and_summarizes(monkeypatch, tmp_path):
+    """Parity on a fake trainer: methods x seeds 0 and 1, two at a time; the summary's bf16 seed spread and
+    each method's gap to bf16 (mean over seeds of the last logged losses)."""
+    T = _fake_torchtitan(monkeypatch, tmp_path)
+    a = T.build_parser().parse_args(["--parity", "--parity-methods", "bf16,mxfp8_128", "--parity-tail", "2"])
+    a.steps, a.run_s = 20, 120
+    head = {}
+    rows = T.parity(a, head, [], tmp_path / "tt.json", tmp_path)
+    assert sorted((r["method"], r["seed"]) for r in rows) == [("bf16", 0), ("bf16", 1), ("mxfp8_128", 0),
+                                                              ("mxfp8_128", 1)]
+    s = head["parity"]
+    assert s["bf16_seed_spread"] == pytest.approx(0.01) and s["gap_mxfp8_128"] == pytest.approx(0.0)
+    assert s["within_mxfp8_128"] and s["final_loss"]["bf16"][1] == pytest.approx((10 / 15 + 10 / 20) / 2 + 0.01, abs=1e-4)
+
+
+def test_render_torchtitan_parity_and_resume_rows(tmp_path):
+    """Parity and kill-and-resume rows get their own lines, not rows of the speed table."""
+    (tmp_path / "h200").mkdir()
+    rows = [{"model": "m", "method": "bf16", "tokens_per_s": 100.0, "loss": [3.0]},
+            {"model": "m", "method": "bf16", "kind": "parity", "seed": 1, "steps": [995, 1000], "batch": 1,
+             "loss": [2.0, 3.0], "commit": "abc"},
+            {"model": "d", "method": "mxfp8_128", "kind": "resume", "interval": 100, "killed_after_step": 150,
+             "first_resumed_step": 101, "compared_steps": [105, 110], "max_abs_loss_diff_after_resume": 0.0012}]
+    (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
+    text = report.render(tmp_path)
+    assert "| m | bf16 | 1 | 1000 | 1 | 2.5000 | abc |" in text
+    assert "resumed at step 101" in text and "0.0012" in text
+    assert text.count("| m | bf16 |") == 2  # the speed row and the parity row, nothing for the resume row
