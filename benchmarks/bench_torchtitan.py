@@ -45,6 +45,7 @@ in ``.whl`` (``benchmarks/run_device.sh`` installs them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -187,14 +188,15 @@ def expert_shape(model: str) -> dict:
     return dict(experts=E, hidden=hidden, dim=dim, top_k=layers[0].router.top_k, moe_layers=len(layers))
 
 
-def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], dict]:
-    """Milliseconds of one routed-experts forward + backward at the run's shape (balanced tokens per expert;
-    FP32 parameters as the one-GPU run holds them, their gradients None before each, as after zero_grad):
-    torchtitan's BF16 GroupedExperts through its compiled grouped-mm function (as --compile.enable runs it),
-    and each mxmoe recipe's converted experts, compiled as the converter compiles them (triton's do_bench);
-    keyed ``"bf16"`` and by recipe. Returns them with :func:`expert_shape`'s dict."""
+@contextlib.contextmanager
+def experts_step(model: str, variant: str, param_dtype: str = "float32"):
+    """One routed-experts forward + backward at the run's shape as a callable (balanced rows per expert, BF16
+    rows; parameters in ``param_dtype``, float32 as the one-GPU run holds them; their gradients set to None
+    before each call, as a training step's zero_grad leaves them). ``variant``: ``"bf16"``, torchtitan's
+    GroupedExperts through its grouped-mm function compiled (as --compile.enable runs it), or an mxmoe recipe
+    (``RECIPE/unfused``: ``fused_swiglu=False``), converted and compiled as the converter does. Yields
+    ``(step, shape)``: :func:`expert_shape`'s dict with ``rows``; torchtitan's function is restored on exit."""
     import torch
-    import triton.testing
     from torchtitan.models.moe import moe as tt_moe
 
     from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
@@ -204,34 +206,43 @@ def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], di
     E, rows = sh["experts"], m["seq_len"] * m["batch"] * sh["top_k"]
     counts = torch.full((E,), rows // E, dtype=torch.int64, device="cuda")
     counts[: rows - int(counts.sum())] += 1
-    x = torch.randn(rows, sh["dim"], device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, sh["dim"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
-    compiled_bf16 = torch.compile(tt_moe._run_experts_grouped_mm, fullgraph=True)
-    out = {}
+    torch.manual_seed(0)
+    e = tt_moe.GroupedExperts(sh["dim"], sh["hidden"], E, use_grouped_mm=True)
+    e = e.cuda().to(getattr(torch, param_dtype))
+    with torch.no_grad():
+        e.init_weights(0.02)
+    saved = tt_moe._run_experts_grouped_mm
+    if variant == "bf16":
+        tt_moe._run_experts_grouped_mm = torch.compile(saved, fullgraph=True)
+    else:
+        recipe, _, unfused = variant.partition("/")
+        MXMoEGroupedExperts.convert(e, recipe, fused_swiglu=not unfused).compile_backend = "inductor"
+
+    def step():
+        x.grad = None
+        for p in e.parameters():
+            p.grad = None
+        e(x, counts).backward(dy)
+
+    try:
+        yield step, {**sh, "rows": rows}
+    finally:
+        tt_moe._run_experts_grouped_mm = saved
+
+
+def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], dict]:
+    """Milliseconds of one routed-experts forward + backward (:func:`experts_step`, triton's do_bench):
+    torchtitan's BF16 experts and each mxmoe recipe of ``methods``, keyed ``"bf16"`` and by recipe. Returns
+    them with the shape."""
+    import triton.testing
+
+    out, sh = {}, None
     recipes = list(dict.fromkeys(MX_RECIPE[mm] for mm in methods if mm in MX_RECIPE))
     for method in ["bf16"] + recipes:  # keyed by recipe: "+linear_fp8" runs share their recipe's experts
-        torch.manual_seed(0)
-        e = tt_moe.GroupedExperts(sh["dim"], sh["hidden"], E, use_grouped_mm=True).cuda()
-        with torch.no_grad():
-            e.init_weights(0.02)
-        saved = tt_moe._run_experts_grouped_mm
-        if method == "bf16":
-            tt_moe._run_experts_grouped_mm = compiled_bf16
-        else:
-            MXMoEGroupedExperts.convert(e, method).compile_backend = "inductor"
-        xx = x.clone().requires_grad_()
-
-        def step(e=e, xx=xx):  # gradients set to None first, as a training step's zero_grad leaves them
-            xx.grad = None
-            for p in e.parameters():
-                p.grad = None
-            e(xx, counts).backward(dy)
-
-        try:
+        with experts_step(model, method) as (step, sh):
             out[method] = triton.testing.do_bench(step, warmup=10, rep=60)
-        finally:
-            tt_moe._run_experts_grouped_mm = saved
-        del e
     return out, sh
 
 
@@ -343,9 +354,8 @@ def resume_check(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> li
         log = logdir / f"resume_{model}_{method}_{name}.txt"
         p = _launch(train_cmd(model, method, steps, str(dump), 0, None, extra), log)
         if name == "killed":  # wait for the kill step's log line (or the run's end)
-            pat = re.compile(rf"step:\s*{a.resume_kill}\b")
-            while p.poll() is None and time.time() < deadline and not pat.search(
-                    re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace"))):
+            while p.poll() is None and time.time() < deadline and a.resume_kill not in parse_log(
+                    log.read_text(errors="replace"), 0)["steps"]:
                 time.sleep(0.1)
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -421,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
         runs = [(a.resume_model, a.resume_method)]
     bad = [mo for mo, me in runs if mo not in MODELS] + [me for mo, me in runs if me not in METHODS]
     if bad:
-        raise SystemExit(f"unknown model(s) or method(s) {bad}; models: {', '.join(MODELS)}; methods: {', '.join(METHODS)}")
+        raise SystemExit(f"unknown model(s) or method(s) {bad}; models: {', '.join(MODELS)}; "
+                         f"methods: {', '.join(METHODS)}")
     steps = a.steps = a.steps or (30 if a.quick else 1000 if a.parity else 110)
     out = Path(a.out or C.default_out(SUITE))
     if a.dry_run:
@@ -446,13 +457,7 @@ def main(argv: list[str] | None = None) -> None:
         log = logdir / f"{model}_{method.replace('+', '_')}.txt"
         cmd = train_cmd(model, method, steps, f"/tmp/tt_out/{model}_{method}", a.seed)
         t0 = time.time()
-        with open(log, "w") as f:
-            f.write(" ".join(cmd) + "\n")
-            f.flush()
-            try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), timeout=a.run_s).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
+        rc = _finish(_launch(cmd, log), t0 + a.run_s)
         row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
                **parse_log(log.read_text(errors="replace"), a.warmup)}
         row["graph_breaks"] = len(re.findall(r"Graph break", log.read_text(errors="replace")))

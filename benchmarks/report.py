@@ -225,7 +225,8 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
             "published models, `--compile.enable`, selective activation checkpointing; `bf16`: torchtitan's "
             "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter. tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps. Rows from several calls (their commit column; the "
-            "header's git note): ratios across commits compare calls on different machines.", ""] + table(head, body) + checks
+            "header's git note): ratios across commits compare calls on different machines.", ""] + (
+                table(head, body) + checks)
 
 
 SECTIONS = {"quantize": ("Quantization kernels", quantize_section), "gemm": ("Grouped GEMMs", gemm_section),

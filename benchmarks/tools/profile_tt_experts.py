@@ -24,53 +24,16 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import bench_torchtitan as TT
 
 
-def _experts(sh: dict, variant: str, dtype: torch.dtype):
-    from torchtitan.models.moe import moe as tt_moe
-
-    from mxmoe.integrations.torchtitan import MXMoEGroupedExperts
-
-    torch.manual_seed(0)
-    e = tt_moe.GroupedExperts(sh["dim"], sh["hidden"], sh["experts"], use_grouped_mm=True).cuda().to(dtype)
-    with torch.no_grad():
-        e.init_weights(0.02)
-    if variant != "bf16":
-        recipe, _, unfused = variant.partition("/")
-        MXMoEGroupedExperts.convert(e, recipe, fused_swiglu=not unfused).compile_backend = "inductor"
-    return e
-
-
-def profile_model(model: str, recipes: list[str], dtype: torch.dtype, unfused: bool = False) -> dict:
-    from torchtitan.models.moe import moe as tt_moe
-
-    sh = TT.expert_shape(model)
-    m = TT.MODELS[model]
-    E, rows = sh["experts"], m["seq_len"] * m["batch"] * sh["top_k"]
-    counts = torch.full((E,), rows // E, dtype=torch.int64, device="cuda")
-    counts[: rows - int(counts.sum())] += 1
-    x = torch.randn(rows, sh["dim"], device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-    out = {"shape": {**sh, "rows": rows}, "variants": {}}
-    saved = tt_moe._run_experts_grouped_mm
+def profile_model(model: str, recipes: list[str], param_dtype: str, unfused: bool = False) -> dict:
+    out = {"variants": {}}
     for variant in ["bf16"] + [v for r in recipes for v in ((r, f"{r}/unfused") if unfused else (r,))]:
-        e = _experts(sh, variant, dtype)
-        if variant == "bf16":
-            tt_moe._run_experts_grouped_mm = torch.compile(saved, fullgraph=True)
-        xx = x.clone().requires_grad_()
-
-        def step(e=e, xx=xx):  # gradients None first, as a training step's zero_grad leaves them
-            xx.grad = None
-            for p in e.parameters():
-                p.grad = None
-            e(xx, counts).backward(dy)
-
-        try:
+        with TT.experts_step(model, variant, param_dtype) as (step, shape):
+            out["shape"] = shape
             ms = triton.testing.do_bench(step, warmup=10, rep=100)
             with profile(activities=[ProfilerActivity.CUDA]) as p:
                 for _ in range(5):
                     step()
                 torch.cuda.synchronize()
-        finally:
-            tt_moe._run_experts_grouped_mm = saved
         kernels: dict[str, float] = {}
         for ev in p.events():
             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
@@ -81,7 +44,6 @@ def profile_model(model: str, recipes: list[str], dtype: torch.dtype, unfused: b
         print(f"{model} {variant}: {ms:.3f} ms (kernels {sum(kernels.values()):.3f})", flush=True)
         for n, v in top[:12]:
             print(f"   {v:8.3f}  {n[:110]}", flush=True)
-        del e, xx
     return out
 
 
@@ -93,12 +55,11 @@ def main():
     ap.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default="experts_profile.json")
     a = ap.parse_args()
-    dtype = getattr(torch, a.param_dtype)
     TT.ensure_assets()  # expert_shape parses the suite's flags, which name the tokenizer
     res = {"param_dtype": a.param_dtype, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "models": {}}
     for model in a.models.split(","):
-        res["models"][model] = profile_model(model, a.recipes.split(","), dtype, a.unfused)
+        res["models"][model] = profile_model(model, a.recipes.split(","), a.param_dtype, a.unfused)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
 
