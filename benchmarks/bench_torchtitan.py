@@ -134,6 +134,77 @@ def parse_log(text: str, warmup: int) -> dict:
             "peak_gib": max(mem) if mem else None, "timed_steps": (steps[-1] - warmup) if after else 0}
 
 
+# torch.profiler's GPU kernels of one step -> what they do, by name (first match wins). Grouped GEMMs:
+# torchtitan's and torchao's are CUTLASS kernels over a GroupProblemShape, mxmoe's its Gluon
+# sm90_mxfp8_grouped_gemm_kernel. The experts' other work: mxmoe's quantizers, permutations and SwiGLU, torchao's
+# FP8 casts, the weights' copies for torch's grouped mm, and the token permutation's sorts, gathers and scatters
+# (the router's top-k sort among them). Attention: SDPA's flash / cuDNN kernels. Optimizer: AdamW's and the
+# gradient clipping's multi-tensor kernels. Dense GEMMs: every other GEMM (projections, shared experts, router
+# gate, LM head). The rest (norms, elementwise fusions, the loss, memory copies) is "other".
+PROFILE_CLASSES = (
+    ("optimizer", r"multi_tensor_apply|adam|lpnorm"),
+    ("attention", r"flash|fmha|sdpa|attention"),
+    ("communication", r"nccl"),
+    ("experts_gemm", r"GroupProblemShape|sm90_mxfp8_grouped_gemm"),
+    ("experts_other", r"^(mx_|gather_rows|gather_sum|swiglu|router_|combine_|_transpose|to_float32|_fill_indices)"
+                      r"|grouped|quantize|permute|fp8|float8|index|gather|scatter|sort"),
+    ("dense_gemm", r"gemm|nvjet|xmma|cutlass|cublas|triton_tem_fused_(add)?mm|splitKreduce"),
+)
+
+
+def profile_class(name: str) -> str:
+    """One GPU kernel's class in :data:`PROFILE_CLASSES` by its name; ``"other"`` (elementwise, norms, the
+    compiled fusions) when none matches."""
+    for cls, pat in PROFILE_CLASSES:
+        if re.search(pat, name, re.IGNORECASE):
+            return cls
+    return "other"
+
+
+def profile_summary(trace: dict, top: int = 8) -> dict:
+    """A chrome trace of torch.profiler (torchtitan's ``--profiling.enable_profiling``, one active step) ->
+    milliseconds of GPU kernel time per :func:`profile_class`, each class's share of the kernel total, the
+    step's wall time (its ``ProfilerStep#N`` span) and the largest kernels left in ``"other"`` by name.
+    Memory copies and sets count as ``"other"``."""
+    ms: dict[str, float] = {}
+    others: dict[str, float] = {}
+    step_ms = None
+    for ev in trace.get("traceEvents", []):
+        cat, name, dur = ev.get("cat", ""), ev.get("name", ""), ev.get("dur")
+        if dur is None:
+            continue
+        if cat == "kernel" or cat in ("gpu_memcpy", "gpu_memset"):
+            cls = profile_class(name) if cat == "kernel" else "other"
+            ms[cls] = ms.get(cls, 0.0) + dur / 1e3
+            if cls == "other":
+                others[name[:80]] = others.get(name[:80], 0.0) + dur / 1e3
+        elif name.startswith("ProfilerStep#"):
+            step_ms = max(step_ms or 0.0, dur / 1e3)
+    total = sum(ms.values())
+    out = {"kernel_ms": {k: round(v, 3) for k, v in sorted(ms.items())}, "kernel_total_ms": round(total, 3),
+           "step_ms": round(step_ms, 3) if step_ms else None,
+           "share": {k: round(v / total, 4) for k, v in sorted(ms.items())} if total else {},
+           "top_other": {k: round(v, 3) for k, v in sorted(others.items(), key=lambda kv: -kv[1])[:top]}}
+    return out
+
+
+def profile_flags(step: int) -> list[str]:
+    """torchtitan's profiler flags for one active step, ``step`` (3 warm-up steps before it)."""
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(step),
+            "--profiling.profiler_warmup", "3", "--profiling.profiler_active", "1"]
+
+
+def read_profile(dump: Path) -> dict | None:
+    """The summary of the first trace under ``dump``'s ``profile_traces`` (the trace itself is deleted: a
+    compiled step's trace is tens of MB)."""
+    traces = sorted(Path(dump).glob("profile_traces/iteration_*/rank0_trace.json"))
+    if not traces:
+        return None
+    summary = {"trace": f"{traces[0].parent.name}", **profile_summary(json.loads(traces[0].read_text()))}
+    shutil.rmtree(Path(dump) / "profile_traces", ignore_errors=True)
+    return summary
+
+
 def _env() -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_CACHE="/tmp/tt_hf", WANDB_MODE="disabled", NCCL_NVLS_ENABLE="0",
@@ -383,6 +454,9 @@ def build_parser():
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the tokens/s median (compilation)")
     ap.add_argument("--run-s", type=int, default=170, help="time limit of one run, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-step", type=int, default=0,
+                    help="profile this step of each speed run (torch.profiler through torchtitan's flags): the "
+                         "row's 'profile', GPU kernel time by class (0: off)")
     ap.add_argument("--no-experts-timing", action="store_true", help="skip the experts' timing (expert_share ...)")
     ap.add_argument("--timing-only", action="store_true",
                     help="only the experts' timing, for the (model, method) rows already in --out")
@@ -455,11 +529,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     for model, method in ([] if a.timing_only else runs):
         log = logdir / f"{model}_{method.replace('+', '_')}.txt"
-        cmd = train_cmd(model, method, steps, f"/tmp/tt_out/{model}_{method}", a.seed)
+        dump = Path(f"/tmp/tt_out/{model}_{method}")
+        shutil.rmtree(dump / "profile_traces", ignore_errors=True)
+        extra = tuple(profile_flags(a.profile_step)) if a.profile_step else ()
+        cmd = train_cmd(model, method, steps, str(dump), a.seed, None, extra)
         t0 = time.time()
         rc = _finish(_launch(cmd, log), t0 + a.run_s)
         row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
                **parse_log(log.read_text(errors="replace"), a.warmup)}
+        if a.profile_step:
+            row["profile"] = read_profile(dump)
         row["graph_breaks"] = len(re.findall(r"Graph break", log.read_text(errors="replace")))
         rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
         C.write_result(out, head, rows)

@@ -279,3 +279,40 @@ def test_render_torchtitan_parity_and_resume_rows(tmp_path):
     assert "| m | bf16 | 1 | 1000 | 1 | 2.5000 | abc |" in text
     assert "resumed at step 101" in text and "0.0012" in text
     assert text.count("| m | bf16 |") == 2  # the speed row and the parity row, nothing for the resume row
+
+
+def test_torchtitan_profile_summary_classes_kernels(tmp_path):
+    """A torch.profiler chrome trace -> GPU kernel ms by class (grouped GEMMs of torch and of mxmoe, the experts'
+    other kernels, attention, dense GEMMs, optimizer, the rest), shares summing to 1, the step's span; the trace
+    is read from torchtitan's profile folder and then deleted."""
+    from benchmarks import bench_torchtitan as T
+
+    k = lambda name, dur: {"ph": "X", "cat": "kernel", "name": name, "dur": dur}  # noqa: E731
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#100", "dur": 250_000},
+        k("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::"
+          "GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >", 40_000),
+        k("sm90_mxfp8_grouped_gemm_kernel", 20_000),
+        k("mx_quantize_cols_kernel", 5_000), k("triton_poi_fused__grouped_mm__to_copy_transpose_1", 3_000),
+        k("void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*)", 2_000),
+        k("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4> >", 30_000),
+        k("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", 10_000),
+        k("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 50_000),
+        k("void multi_tensor_apply_kernel<TensorListMetadata<4>, FusedAdamMathFunctor<float, 4> >", 15_000),
+        k("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 7_000),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 1_000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99_000},
+    ]
+    s = T.profile_summary({"traceEvents": events})
+    assert s["kernel_ms"] == {"attention": 40.0, "dense_gemm": 50.0, "experts_gemm": 60.0, "experts_other": 10.0,
+                              "optimizer": 15.0, "other": 8.0}
+    assert s["kernel_total_ms"] == 183.0 and s["step_ms"] == 250.0
+    assert sum(s["share"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert list(s["top_other"]) == ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "Memcpy DtoD (Device -> Device)"]
+    assert T.profile_flags(100)[:3] == ["--profiling.enable_profiling", "--profiling.profile_freq", "100"]
+    d = tmp_path / "dump" / "profile_traces" / "iteration_100"
+    d.mkdir(parents=True)
+    (d / "rank0_trace.json").write_text(json.dumps({"traceEvents": events}))
+    r = T.read_profile(tmp_path / "dump")
+    assert r["trace"] == "iteration_100" and r["kernel_total_ms"] == 183.0
+    assert not (tmp_path / "dump" / "profile_traces").exists() and T.read_profile(tmp_path / "dump") is None
