@@ -68,8 +68,9 @@ MODELS = {
     "dsv3-16b": dict(model="deepseek_v3", flavor="16B-cut4", seq_len=4096, batch=4),
     "qwen3-30b-a3b": dict(model="qwen3", flavor="30B-A3B-cut4", seq_len=4096, batch=4),
     "llama4-17bx16e": dict(model="llama4", flavor="17bx16e-cut2", seq_len=8192, batch=1),
-    # torchtitan's own DeepSeek-V3 debug model (dim 256, 8 experts of 256, top-3): the kill-and-resume check
-    "dsv3-debug": dict(model="deepseek_v3", flavor="debugmodel", seq_len=2048, batch=2),
+    # torchtitan's own DeepSeek-V3 debug model (dim 256, 8 experts of 256, top-3; the tokenizer's vocabulary): the
+    # kill-and-resume check
+    "dsv3-debug": dict(model="deepseek_v3", flavor="debugmodel-v32k", seq_len=2048, batch=2),
 }
 _LINEAR_FP8 = ["--quantize.linear.float8.recipe_name", "rowwise", "--quantize.linear.float8.filter_fqns",
                "output,router.gate"]

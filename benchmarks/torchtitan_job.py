@@ -19,12 +19,15 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls, 
 
 from mxmoe.integrations.torchtitan import JobConfig  # noqa: F401  (torchtitan merges it: --mxmoe.*)
 
-# (torchtitan model name, published flavor) -> (cut flavor name, layer overrides). DeepSeek-V3 16B keeps its
+# (torchtitan model name, published flavor) -> (cut flavor name, overrides). DeepSeek-V3 16B keeps its
 # first (dense) layer; Qwen3 and Llama-4 have MoE in every layer.
 CUT_FLAVORS = {
     ("deepseek_v3", "16B"): ("16B-cut4", dict(n_layers=4)),  # 1 dense + 3 MoE layers of 64 experts, top-6
     ("qwen3", "30B-A3B"): ("30B-A3B-cut4", dict(n_layers=4)),  # 4 MoE layers of 128 experts, top-8
     ("llama4", "17bx16e"): ("17bx16e-cut2", dict(n_layers=2)),  # 2 MoE layers of 16 experts, top-1 + shared
+    # the debug model (the kill-and-resume check) with the suite tokenizer's vocabulary: its own is 2,048, and a
+    # token id past the embedding table is a device-side assert
+    ("deepseek_v3", "debugmodel"): ("debugmodel-v32k", dict(vocab_size=32768)),
 }
 
 

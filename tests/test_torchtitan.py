@@ -651,3 +651,16 @@ def test_gpu_experts_fused_permute_and_unpermute(recipe, fused_swiglu, monkeypat
         ref.append((F.silu(xs @ w1[k].t()) * (xs @ w3[k].t())) @ w2[k].t())
         start += n
     assert rel(fused[0], torch.cat(ref)) < 0.08
+
+
+@needs_torchtitan
+def test_suite_flavors_hold_the_suite_tokenizers_vocabulary():
+    """Every model of the torchtitan suite (the cut flavors and the kill-and-resume debug model) has an
+    embedding table at least as large as the suite's tokenizer: a token id past it is a device-side assert
+    on the GPU (torchtitan's debug model has 2,048 entries; its -v32k flavor the tokenizer's 32,768)."""
+    from benchmarks import bench_torchtitan as T
+    from benchmarks import torchtitan_job as J
+
+    for name, m in T.MODELS.items():
+        args = J._flavor_table(m["model"])[m["flavor"]]
+        assert args.vocab_size >= T.VOCAB, (name, m["flavor"], args.vocab_size)
