@@ -341,12 +341,42 @@ def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
     return p
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc): torchrun starts its workers in sessions of their own, which a
+    kill of torchrun's process group does not reach."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill(p: subprocess.Popen) -> None:
+    """SIGKILL a run: torchrun, its process group and every process below it (collected before any dies, so
+    that none is handed to init first)."""
+    pids = [p.pid] + _descendants(p.pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+
+
 def _finish(p: subprocess.Popen, deadline: float) -> int:
-    """Wait for ``p`` until ``deadline`` (time.time()); past it the process group is killed: rc 124."""
+    """Wait for ``p`` until ``deadline`` (time.time()); past it the run is killed (:func:`_kill`): rc 124."""
     try:
         rc = p.wait(timeout=max(deadline - time.time(), 1))
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        _kill(p)
         p.wait()
         rc = 124
     p.log_file.close()
@@ -430,7 +460,7 @@ def resume_check(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> li
                     log.read_text(errors="replace"), 0)["steps"]:
                 time.sleep(0.1)
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                _kill(p)
         rcs[name] = _finish(p, deadline)
         parsed = parse_log(log.read_text(errors="replace"), 0)
         curves[name] = dict(zip(parsed["steps"], parsed["loss"]))

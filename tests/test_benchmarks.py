@@ -208,7 +208,9 @@ def test_render_torchtitan_rows(tmp_path):
 
 
 FAKE_TRAINER = r'''
-import os, sys, time
+import os, subprocess, sys, time
+if "--worker" not in sys.argv:  # as torchrun does: the worker in a session of its own
+    sys.exit(subprocess.run([sys.executable] + sys.argv + ["--worker"], start_new_session=True).returncode)
 a = sys.argv[1:]
 opt = lambda k, d=None: a[a.index(k) + 1] if k in a else d
 steps, seed, dump = int(opt("--training.steps")), int(opt("--debug.seed", 0)), opt("--job.dump_folder")
@@ -249,6 +251,9 @@ def test_torchtitan_resume_check_kills_and_resumes(monkeypatch, tmp_path):
     assert row["first_resumed_step"] == 21 and max(row["loss_by_step"]["resumed"]) == 40
     assert row["compared_steps"] == [25, 30, 35, 40] and row["max_abs_loss_diff_after_resume"] == 0
     assert json.loads((tmp_path / "tt.json").read_text())["rows"][0]["kind"] == "resume"
+    # the kill reached the worker (in its own session, as torchrun starts it): its log ends before the last step
+    log = (tmp_path / "resume_dsv3-debug_mxfp8_128_killed.txt").read_text()
+    assert max(T.parse_log(log, 0)["steps"]) < 40
 
 
 def test_torchtitan_parity_runs_two_seeds_and_summarizes(monkeypatch, tmp_path):
