@@ -1,7 +1,7 @@
 """Layer suite: the MoE layer's forward+backward, our MX recipes against our bf16 (and optionally a plain
 per-expert PyTorch loop), on the DESIGN §5 shapes at 16384 tokens per step, same run, same GPU.
 
-    python -m benchmarks layer [--quick] [--out benchmarks/results/<gpu>/layer.json] [--timing cudagraphs,eager]
+    python -m benchmarks layer [--quick] [--out benchmarks/results/<gpu>/layer.json] [--timing inductor-cudagraphs,eager]
 
 Per row (``shape``, ``recipe``, ``balance``, ``timing``): median fwd+bwd ``ms`` (CUDA events over ``--iters``
 steps after warm-up) beside ``bf16_ms`` (and ``loop_ms``) of the same timing, and from one profiled step the
@@ -9,11 +9,15 @@ share of GPU kernel time in quantization kernels (``quant_share``) and a per-sta
 (gemm / quantize / other). Eager rows also carry the step's peak memory and the memory held for backward
 (allocated after forward minus before), with bf16's.
 
-``timing``: ``cudagraphs`` times the layer under ``torch.compile(fullgraph=True, backend="cudagraphs")``, the
-step's kernels replayed from CUDA graphs with no host launch work, as ``mxmoe train --compile cudagraphs`` runs
-it (default on CUDA, with ``eager`` beside it; memory is not measured there: the graphs' pool is allocated
-once); ``eager`` launches every kernel from Python (small layers are timed by the host's launch work);
-``inductor`` compiles with inductor. The local layer of an EP shape runs with top-k = routed rows / tokens of
+``timing``: ``inductor-cudagraphs`` times the layer under ``torch.compile(fullgraph=True, mode="reduce-overhead")``
+(inductor: torch's elementwise work fused, our kernels as they are; the step replayed from CUDA graphs with no
+host launch work), as ``mxmoe train`` runs its steps by default (default here, with ``eager`` beside it; memory
+is not measured under CUDA graphs: their pool is allocated once). ``cudagraphs`` is torch.compile's plain
+cudagraphs backend, as ``mxmoe train --compile cudagraphs``: it copies every parameter into the graph's input
+buffers at each replay (the FP32 expert weights: about 1.2 ms a step at Qwen3-30B-A3B's shape, in every
+recipe), since with torch's inlined nn.Module parameters that backend marks none of them static.
+``eager`` launches every kernel from Python (small layers are timed by the host's launch work); ``inductor``
+compiles with inductor, launched from Python. The local layer of an EP shape runs with top-k = routed rows / tokens of
 ``benchmarks.common.SHAPES`` (dsv3-ep32: top-2 of 8 local experts; dsv3-671b-ep8: top-8 of 32).
 """
 
@@ -29,6 +33,7 @@ import mxmoe
 from benchmarks import common as C
 
 SUITE = "layer"
+TIMINGS = ("inductor-cudagraphs", "cudagraphs", "eager", "inductor")
 
 
 class LoopMoE(torch.nn.Module):
@@ -109,14 +114,16 @@ def run_case(name, recipe, skew, tokens, iters, dev, compile_backend=""):
         moe = mxmoe.MoE(D, Fd, E, k, recipe="bf16" if recipe == "loop" else recipe)
     skew_router(moe, x, skew)
     layer = LoopMoE(moe) if recipe == "loop" else moe
+    graphs = compile_backend in ("cudagraphs", "inductor-cudagraphs")
     if compile_backend and recipe != "loop":
         torch._dynamo.reset()  # each case compiles afresh: MoE.forward's cache would hit the recompile limit
-        layer = torch.compile(moe, backend=compile_backend, fullgraph=True)
+        layer = (torch.compile(moe, mode="reduce-overhead", fullgraph=True) if compile_backend == "inductor-cudagraphs"
+                 else torch.compile(moe, backend=compile_backend, fullgraph=True))
     xg = x.clone().requires_grad_()
     dy = torch.randn_like(x)
 
     def step():  # one training step's layer work: gradients start empty, as after zero_grad()
-        if compile_backend == "cudagraphs":
+        if graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are dead
         moe.zero_grad(set_to_none=True)
         xg.grad = None
@@ -130,7 +137,7 @@ def run_case(name, recipe, skew, tokens, iters, dev, compile_backend=""):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    if compile_backend == "cudagraphs":
+    if graphs:
         torch.compiler.cudagraph_mark_step_begin()
     y = layer(xg)
     held = torch.cuda.memory_allocated() - base
@@ -140,7 +147,7 @@ def run_case(name, recipe, skew, tokens, iters, dev, compile_backend=""):
     peak = torch.cuda.max_memory_allocated() - base
     shares = kernel_breakdown(step)
     top = shares.pop("top_kernels")
-    if compile_backend == "cudagraphs":  # the graphs' memory pool was allocated before: nothing to measure
+    if graphs:  # the graphs' memory pool was allocated before: nothing to measure
         peak = held = None
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
     return {"ms": ms, "peak_mem_gib": gib(peak), "saved_for_bwd_gib": gib(held),
@@ -157,8 +164,9 @@ def build_parser():
                          "per-expert PyTorch loop (BF16)")
     ap.add_argument("--balance", default=None, help="default balanced,skewed (--quick: balanced)")
     ap.add_argument("--timing", default=None,
-                    help="comma-separated: cudagraphs (torch.compile's cudagraphs backend, as `mxmoe train "
-                         "--compile cudagraphs`), eager, inductor; default cudagraphs,eager (--quick: cudagraphs)")
+                    help="comma-separated: inductor-cudagraphs (as `mxmoe train` runs by default), cudagraphs "
+                         "(`mxmoe train --compile cudagraphs`), eager, inductor; default inductor-cudagraphs,eager "
+                         "(--quick: inductor-cudagraphs)")
     ap.add_argument("--routes", default=os.environ.get("MXMOE_SM90_GEMM", "auto"),
                     help="Hopper routes of the MX recipes (MXMOE_SM90_GEMM values, comma-separated), each "
                          "timed in the same run: auto, bf16 (expansion), gluon, mixed")
@@ -168,10 +176,10 @@ def build_parser():
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     shapes = C.shape_list(args.shapes, args.quick)
-    timings = (args.timing or ("cudagraphs" if args.quick else "cudagraphs,eager")).split(",")
-    bad = [t for t in timings if t not in ("eager", "cudagraphs", "inductor")]
+    timings = (args.timing or ("inductor-cudagraphs" if args.quick else "inductor-cudagraphs,eager")).split(",")
+    bad = [t for t in timings if t not in TIMINGS]
     if bad:
-        raise SystemExit(f"--timing: choose from eager, cudagraphs, inductor; got {', '.join(bad)}")
+        raise SystemExit(f"--timing: choose from {', '.join(TIMINGS)}; got {', '.join(bad)}")
     balances = (args.balance or ("balanced" if args.quick else "balanced,skewed")).split(",")
     iters = args.iters or (3 if args.quick else 10)
     recipes = list(dict.fromkeys(args.recipes.split(",") + ["bf16"]))

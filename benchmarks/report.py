@@ -143,15 +143,17 @@ def layer_section(rows: list[dict]) -> list[str]:
            "and timing. Saved for backward and peak memory (eager only) against bf16's.", ""]
     head = ["shape", "balance", "recipe", "run", "ms", "bf16 ms", "vs bf16", "quant. share", "saved vs bf16",
             "peak vs bf16"]
-    for timing in ("cudagraphs", "eager", "inductor"):
+    notes = {"inductor-cudagraphs": " (inductor, the step replayed from CUDA graphs, as `mxmoe train` runs it by default)",
+             "cudagraphs": " (torch.compile's plain cudagraphs backend, as `mxmoe train --compile cudagraphs`: it also "
+                           "copies the parameters into the graphs' inputs at every replay)",
+             "eager": " (every kernel launched from Python)"}
+    for timing in ("inductor-cudagraphs", "cudagraphs", "eager", "inductor"):
         sel = [r for r in rows if r.get("timing", "eager") == timing]
         if not sel:
             continue
         body = [layer_cells(r) for r in sorted(sel, key=lambda r: (r.get("run", 0), shape_key(r["shape"]),
                                                                   r["balance"] != "balanced", r["recipe"]))]
-        out += [f"Timing `{timing}`" + (" (torch.compile's cudagraphs backend: kernels replayed, as `mxmoe train "
-                                        "--compile cudagraphs` runs the layer)" if timing == "cudagraphs" else
-                                        " (every kernel launched from Python)" if timing == "eager" else "") + ":", ""]
+        out += [f"Timing `{timing}`{notes.get(timing, '')}:", ""]
         out += table(head, body) + [""]
     return out[:-1]
 

@@ -49,8 +49,11 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     Args:
         experts: ``[T, top_k]`` int64 expert ids.
     Returns:
-        ``(slot_rows [T*top_k] int64, offs [E] int32, M, counts [E] int64)``; the last group's end
-        is ``M`` (it absorbs the slack rows). Runs on device with no host synchronization.
+        ``(slot_rows [T*top_k] int64, offs [E] int32, M, counts [E] int64)``. ``M`` is the static bound
+        :func:`~mxmoe.layouts.padded_rows` (known without a sync); ``offs[-1] <= M`` is the padded end of the
+        last group. The slack rows ``[offs[-1], M)`` belong to no group: the grouped products skip their
+        tiles, and what the layer's kernels leave in them is unspecified (nothing reads them back). Runs on
+        device with no host synchronization.
     """
     flat = experts.reshape(-1)
     n = flat.numel()
@@ -64,7 +67,6 @@ def permute_plan(experts: torch.Tensor, num_experts: int, align: int) -> tuple[t
     rank = torch.arange(n, device=flat.device) - first_sorted[sorted_experts]
     slot_rows = torch.empty_like(flat)
     slot_rows[order] = group_start[sorted_experts] + rank
-    ends[-1:].fill_(M)  # not ends[-1] = M: torch.compile makes that a CPU tensor constant (no CUDA graph)
     return slot_rows, ends.to(torch.int32), M, counts
 
 

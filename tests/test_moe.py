@@ -76,7 +76,7 @@ def test_empty_experts_first_middle_last():
     rows, offs, M, counts = permute_plan(experts, 8, 32)
     assert counts.tolist() == [0, 3, 2, 0, 2, 1, 2, 0]
     sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    assert sizes[0] == 0 and sizes[3] == 0 and offs[-1].item() == M
+    assert sizes[0] == 0 and sizes[3] == 0 and offs[-1].item() == 5 * 32 <= M  # M: the static bound
     assert sizes[1:3] == [32, 32] and sizes[4:7] == [32, 32, 32]
     assert len(set(rows.tolist())) == rows.numel()  # a distinct row per slot
     starts = (offs - torch.tensor(sizes)).tolist()
