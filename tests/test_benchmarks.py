@@ -284,8 +284,36 @@ def test_render_torchtitan_parity_and_resume_rows(tmp_path):
     (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
     text = report.render(tmp_path)
     assert "| m | bf16 | 1 | 1000 | 1 | 2.5000 | abc |" in text
-    assert "resumed at step 101" in text and "0.0012" in text
+    assert "first logged step 101" in text and "0.0012" in text
     assert text.count("| m | bf16 |") == 2  # the speed row and the parity row, nothing for the resume row
+
+
+def test_render_torchtitan_parity_summary_resume_metrics_and_profiles(tmp_path):
+    """The parity summary (bf16's seed spread, each method's gap), the resume row's three differences, and a
+    table per model of the profiled step's kernel ms by class."""
+    (tmp_path / "h200").mkdir()
+    prof = lambda opt: {"trace": "iteration_100", "kernel_ms": {"experts_gemm": 20.0, "optimizer": opt},  # noqa: E731
+                        "share": {"experts_gemm": 20 / (20 + opt), "optimizer": opt / (20 + opt)},
+                        "kernel_total_ms": 20.0 + opt, "step_ms": 100.0}
+    rows = [{"model": "m", "method": "bf16", "tokens_per_s": 100.0, "loss": [3.0], "profile": prof(60.0), "commit": "c1"},
+            {"model": "m", "method": "mxfp8_128", "tokens_per_s": 110.0, "loss": [3.0], "profile": prof(80.0)}]
+    rows += [{"model": "m", "method": me, "kind": "parity", "seed": sd, "steps": [1000], "loss": [v + 0.02 * sd]}
+             for me, v in (("bf16", 3.0), ("mxfp8_128", 3.005)) for sd in (0, 1)]
+    rows.append({"model": "d", "method": "mxfp8_128", "kind": "resume", "interval": 100, "killed_after_step": 150,
+                 "first_resumed_step": 105, "compared_steps": [105, 200], "max_abs_loss_diff_after_resume": 0.125,
+                 "rerun_steps": [105, 150], "max_abs_loss_diff_resumed_vs_killed": 6e-5, "noise_steps": [1, 100],
+                 "run_to_run_noise": 0.04})
+    lost = [{"commit": "c9", "date": "2026-12-04", "models": ["m"], "note": "its file was overwritten"}]
+    (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200", "lost_runs": lost},
+                                                                   "rows": rows}))
+    text = report.render(tmp_path)
+    assert "Lost run (c9, 2026-12-04; m): its file was overwritten." in text
+    assert "| method | experts_gemm | optimizer | kernel total | step span | commit |" in text
+    assert "| bf16 | 20.0 (25%) | 60.0 (75%) | 80.0 | 100.0 | c1 |" in text
+    assert "bf16's seed spread (max - min final loss over seeds) 0.0200" in text and "mxfp8_128 +0.0050 (within" in text
+    assert "re-run steps 105-150 0.00006" in text and "steps 1-100 0.0400" in text and "steps 105-200 0.1250" in text
+    report.plot_torchtitan(rows, tmp_path / "h200" / "torchtitan.png")
+    assert (tmp_path / "h200" / "torchtitan_parity.png").exists()
 
 
 def test_torchtitan_profile_summary_classes_kernels(tmp_path):
