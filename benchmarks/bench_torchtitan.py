@@ -26,7 +26,8 @@ also carry ``expert_share`` (s: the routed experts' share of the BF16 step: thei
 alone at the run's shape, torchtitan's compiled BF16 experts, times the MoE layers, over the BF16 step time),
 ``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts', same timing) and
 ``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
-(model, method), so split calls add up.
+(model, method, kind, seed), each stamped with the call's commit and date, so split calls add up; a row it
+replaces is kept (without its curves) in the header's ``replaced_rows``.
 
 ``--parity``: loss parity instead of speed, ``--parity-methods`` (bf16,mxfp8_128) x seeds 0 and 1 on
 ``--parity-model`` (dsv3-16b), 1000 steps of ``--parity-batch`` (1) sequences, ``--parallel`` (2) runs at a time
@@ -34,8 +35,14 @@ on the GPU; rows of kind "parity" (the loss curve) and the header's ``parity`` s
 the last ``--parity-tail`` logged losses; bf16's seed spread; each method's gap). ``--resume-check``: a
 kill-and-resume through torchtitan's distributed checkpoints with the converter (``--resume-model`` dsv3-debug,
 torchtitan's DeepSeek-V3 debug model; an uninterrupted run, the same with ``--checkpoint.enable`` SIGKILLed
-after step ``--resume-kill``, then resumed); a row of kind "resume". Both are orchestrated as the speed runs
-are; on the CPU they are tested against a fake trainer (tests/test_benchmarks.py), not yet on the GPU.
+after step ``--resume-kill``, then resumed); a row of kind "resume" (``resume_row``). Both are orchestrated
+as the speed runs are; on the CPU they are tested against a fake trainer (tests/test_benchmarks.py).
+
+``--merge FILE [FILE ...]`` (CPU is enough): folds the result files of device calls into the canonical file
+(``--out``, default ``benchmarks/results/<their gpu>/torchtitan.json``): rows by (model, method, kind, seed),
+stamped with their file's commit and date where they lack them; each file's command line and a line for it
+appended to the header's ``argv`` and ``runs``; replaced rows into ``replaced_rows``; the parity summary
+recomputed; ``git.note`` regenerated from the rows; the logs beside each file (``torchtitan_logs/``) copied.
 
 ``--dry-run`` (CPU is enough): parses every run's configuration through torchtitan's ConfigManager and builds
 its model on the meta device with the converters: the flags, the flavors and the converters, checked.
@@ -331,6 +338,93 @@ def _merge(path: Path) -> tuple[dict, list[dict]]:
     return {}, []
 
 
+# a replaced row is kept in the header without these (its curves are in the git history)
+_BULKY = ("loss", "steps", "tps_intervals", "loss_by_step", "profile", "compared_steps")
+
+
+def stamp(row: dict, head: dict) -> dict:
+    """``row`` with the commit and date of the call that measured it (``head``'s git commit and date), where it
+    has none yet: rows of several calls live in one file."""
+    row.setdefault("commit", (head.get("git") or {}).get("commit"))
+    row.setdefault("date", head.get("date"))
+    return row
+
+
+def put(head: dict, rows: list[dict], row: dict) -> list[dict]:
+    """``rows`` with ``row`` in place of the row of its :func:`row_key`; the row it replaces, if any, goes to
+    ``head["replaced_rows"]`` without its curves (:data:`_BULKY`)."""
+    old = [r for r in rows if row_key(r) == row_key(row)]
+    for r in old:
+        if r is not row:
+            head.setdefault("replaced_rows", []).append({k: v for k, v in r.items() if k not in _BULKY})
+    return [r for r in rows if row_key(r) != row_key(row)] + [row]
+
+
+def fold_header(head: dict, inc: dict, rows: list[dict], source: str | None = None) -> dict:
+    """The canonical header ``head`` after a call whose header is ``inc`` and whose rows are ``rows``: the
+    machine, versions, date and commit become the call's (the newer of the two dates), its models join
+    ``models``, its command line is appended to ``argv`` (a list of command lines) and a line for it to ``runs``
+    (date, commit, models, steps, ``source``); the rest of ``head`` (``not_run``, ``replaced_rows``, notes ...)
+    stays. The call's ``parity`` summary is recomputed by the caller over the merged rows."""
+    head = dict(head) if head else {**{k: v for k, v in inc.items() if k != "parity"}, "argv": [], "runs": []}
+    argv = head.get("argv") or []
+    if argv and not isinstance(argv[0], list):
+        argv = [argv]
+    head["argv"] = argv + [inc.get("argv", [])]
+    head["runs"] = list(head.get("runs") or []) + [_run_line(inc, rows, source)]
+    newer = str(inc.get("date") or "") >= str(head.get("date") or "")
+    for k in ("suite", "gpu", "driver", "cuda", "torch", "triton", "python", "peers", "vocab"):
+        if k in inc and (newer or k not in head):
+            head[k] = inc[k]
+    if newer:
+        head["date"] = inc.get("date")
+        head["git"] = {**(head.get("git") or {}), **{k: v for k, v in (inc.get("git") or {}).items() if k != "note"}}
+    head["models"] = {**(head.get("models") or {}), **(inc.get("models") or {})}
+    return head
+
+
+def _run_line(inc: dict, rows: list[dict], source: str | None) -> dict:
+    line = {"date": inc.get("date"), "commit": (inc.get("git") or {}).get("commit"),
+            "models": sorted({r.get("model") for r in rows}),
+            "kinds": sorted({r.get("kind", "speed") for r in rows}), "steps": inc.get("steps")}
+    return {**line, **({"source": source} if source else {})}
+
+
+def commit_note(rows: list[dict]) -> str:
+    """The header's ``git.note``: which rows each commit measured, from the rows' own commit and date."""
+    by: dict[tuple, list[str]] = {}
+    for r in rows:
+        kind = r.get("kind", "speed")
+        by.setdefault((r.get("commit"), str(r.get("date", ""))[:10]), []).append(
+            f"{r.get('model')} {r.get('method')}" + ("" if kind == "speed" else f" {kind}")
+            + (f" seed {r['seed']}" if "seed" in r else ""))
+    parts = [f"{c} ({d}): {', '.join(dict.fromkeys(v))}" for (c, d), v in sorted(by.items(), key=lambda kv: kv[0][1],
+                                                                                    reverse=True)]
+    return "rows carry their own commit and date (row fields commit, date): " + "; ".join(parts)
+
+
+def merge_files(canonical: Path, incoming: list[Path]) -> tuple[dict, list[dict]]:
+    """Fold device result files into the canonical one (written back): each incoming row stamped with its
+    file's commit and date where it has none, put in place of the row of its :func:`row_key` (the replaced
+    row into ``replaced_rows``), the file's header folded in (:func:`fold_header`), the parity summary
+    recomputed over the merged parity rows, ``git.note`` regenerated (:func:`commit_note`)."""
+    head, rows = _merge(Path(canonical))
+    for path in incoming:
+        d = json.loads(Path(path).read_text())
+        inc, new = d.get("header") or {}, d.get("rows") or []
+        if inc.get("suite", SUITE) != SUITE:
+            raise SystemExit(f"{path}: not a {SUITE} result file (suite {inc.get('suite')!r})")
+        for row in new:
+            rows = put(head, rows, stamp(dict(row), inc))
+        head = fold_header(head, inc, new, Path(path).name)
+        if inc.get("parity") or head.get("parity"):
+            par = inc.get("parity") or head["parity"]
+            head["parity"] = parity_summary(rows, par["model"], par.get("tail_logged_steps", 20))
+    head.setdefault("git", {})["note"] = commit_note(rows)
+    C.write_result(canonical, head, rows)
+    return head, rows
+
+
 def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
     """Start a torchtitan run in its own process group (so a kill reaches torchrun's worker), output in ``log``."""
     f = open(log, "w")
@@ -429,7 +523,7 @@ def parity(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> list[dic
             row = {"model": model, "method": method, "seed": seed, "kind": "parity", "rc": rc,
                    "batch": a.parity_batch, "wall_s": round(time.time() - t0, 1), "steps": parsed["steps"],
                    "loss": parsed["loss"], "peak_gib": parsed["peak_gib"]}
-            rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
+            rows = put(head, rows, stamp(row, head))
             print(f"parity {model} {method} seed {seed}: rc {rc}, {len(row['steps'])} logged steps, last loss "
                   f"{row['loss'][-1] if row['loss'] else None}", flush=True)
         head["parity"] = parity_summary(rows, model, a.parity_tail)
@@ -438,18 +532,51 @@ def parity(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> list[dic
     return rows
 
 
+def resume_row(curves: dict[str, dict[int, float]], rcs: dict, interval: int, kill: int) -> dict:
+    """The kill-and-resume row's figures from the three runs' losses by step (``curves``: "uninterrupted",
+    "killed", "resumed") and return codes: the first resumed step; ``max_abs_loss_diff_resumed_vs_killed``
+    over the steps both logged in (``interval``, ``kill``], which the resumed run re-runs from the checkpoint
+    of step ``interval`` (the same data, the restored state: what the resume itself changes);
+    ``max_abs_loss_diff_after_resume``, |resumed - uninterrupted| over the steps both logged after
+    ``interval``; and ``run_to_run_noise``, |killed - uninterrupted| over the steps up to ``interval``, before
+    any checkpoint (the two runs' difference without a resume: nondeterministic kernels), the scale of the
+    former."""
+    full, killed, resumed = (curves.get(k, {}) for k in ("uninterrupted", "killed", "resumed"))
+    mx = lambda a, b, steps: max((abs(a[st] - b[st]) for st in steps), default=None)  # noqa: E731
+    after = sorted(st for st in resumed if st > interval and st in full)
+    rerun = sorted(st for st in resumed if interval < st <= kill and st in killed)
+    before = sorted(st for st in killed if st <= interval and st in full)
+    return {"kind": "resume", "rc": rcs, "interval": interval, "killed_after_step": kill,
+            "first_resumed_step": min(resumed, default=None), "loss_by_step": curves,
+            "max_abs_loss_diff_after_resume": mx(resumed, full, after), "compared_steps": after,
+            "max_abs_loss_diff_resumed_vs_killed": mx(resumed, killed, rerun), "rerun_steps": rerun,
+            "run_to_run_noise": mx(killed, full, before), "noise_steps": before}
+
+
+def resume_curves(logdir: Path, model: str, method: str) -> dict[str, dict[int, float]]:
+    """The kill-and-resume runs' losses by step from their logs in ``logdir`` (:func:`parse_log`)."""
+    out = {}
+    for name in ("uninterrupted", "killed", "resumed"):
+        log = Path(logdir) / f"resume_{model}_{method}_{name}.txt"
+        if log.exists():
+            parsed = parse_log(log.read_text(errors="replace"), 0)
+            out[name] = dict(zip(parsed["steps"], parsed["loss"]))
+    return out
+
+
 def resume_check(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> list[dict]:
     """Kill-and-resume through torchtitan's distributed checkpoints (``--checkpoint.enable``) with the converter:
     an uninterrupted run of ``a.resume_steps`` steps; the same run with checkpoints every ``a.resume_interval``
     steps, SIGKILLed once its log shows step ``a.resume_kill``; then that command again, which loads the
-    newest checkpoint and runs to the end. Row of kind "resume": the three loss curves by step and the
-    largest |resumed - uninterrupted| loss over the steps both logged after the checkpoint."""
+    newest checkpoint and runs to the end. Row of kind "resume" (:func:`resume_row`): the three loss curves by
+    step, the resumed run against the killed one on the steps it re-ran and against the uninterrupted one after
+    the checkpoint, and the run-to-run noise before it."""
     model, method, steps = a.resume_model, a.resume_method, a.resume_steps
     base = Path("/tmp/tt_resume")
     shutil.rmtree(base, ignore_errors=True)
     ckpt = ("--checkpoint.enable", "--checkpoint.interval", str(a.resume_interval))
     deadline = time.time() + a.run_s
-    curves, rcs = {}, {}
+    rcs = {}
     for name in ("uninterrupted", "killed", "resumed"):
         extra = () if name == "uninterrupted" else ckpt
         dump = base / ("full" if name == "uninterrupted" else "run")
@@ -462,19 +589,30 @@ def resume_check(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> li
             if p.poll() is None:
                 _kill(p)
         rcs[name] = _finish(p, deadline)
-        parsed = parse_log(log.read_text(errors="replace"), 0)
-        curves[name] = dict(zip(parsed["steps"], parsed["loss"]))
-        print(f"resume {name}: rc {rcs[name]}, logged steps {parsed['steps']}", flush=True)
-    after = [st for st in curves["resumed"] if st > a.resume_interval and st in curves["uninterrupted"]]
-    diff = max((abs(curves["resumed"][st] - curves["uninterrupted"][st]) for st in after), default=None)
-    row = {"model": model, "method": method, "kind": "resume", "rc": rcs, "interval": a.resume_interval,
-           "killed_after_step": a.resume_kill, "first_resumed_step": min(curves["resumed"], default=None),
-           "loss_by_step": curves, "max_abs_loss_diff_after_resume": diff, "compared_steps": after}
-    rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
+        print(f"resume {name}: rc {rcs[name]}, logged steps {parse_log(log.read_text(errors='replace'), 0)['steps']}",
+              flush=True)
+    row = stamp({"model": model, "method": method, **resume_row(resume_curves(logdir, model, method), rcs,
+                                                                 a.resume_interval, a.resume_kill)}, head)
+    rows = put(head, rows, row)
     C.write_result(out, head, rows)
-    print(f"resume: first resumed step {row['first_resumed_step']}, max |resumed - uninterrupted| {diff} over "
-          f"steps {after}", flush=True)
+    print(f"resume: first resumed step {row['first_resumed_step']}; max |resumed - killed| "
+          f"{row['max_abs_loss_diff_resumed_vs_killed']} over steps {row['rerun_steps']}; max |resumed - "
+          f"uninterrupted| {row['max_abs_loss_diff_after_resume']} over steps {row['compared_steps']}; run-to-run "
+          f"noise {row['run_to_run_noise']}", flush=True)
     return rows
+
+
+def copy_logs(files: list[Path], logdir: Path) -> list[Path]:
+    """The run logs beside each merged file (its ``torchtitan_logs/``) copied into ``logdir`` (same names
+    replaced)."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f in files:
+        for log in sorted((Path(f).parent / "torchtitan_logs").glob("*.txt")):
+            if log.resolve() != (logdir / log.name).resolve():
+                shutil.copyfile(log, logdir / log.name)
+                out.append(logdir / log.name)
+    return out
 
 
 def build_parser():
@@ -507,6 +645,11 @@ def build_parser():
     ap.add_argument("--resume-steps", type=int, default=200)
     ap.add_argument("--resume-interval", type=int, default=100)
     ap.add_argument("--resume-kill", type=int, default=150, help="the step after whose log line the run is killed")
+    ap.add_argument("--merge", nargs="+", metavar="FILE", default=None,
+                    help="no runs: fold these result files of device calls into --out (default the canonical "
+                         "benchmarks/results/<their gpu>/torchtitan.json) by (model, method, kind, seed), the rows "
+                         "stamped with their file's commit and date, replaced rows kept in the header's "
+                         "replaced_rows, the logs beside each file copied into torchtitan_logs/ (CPU is enough)")
     return ap
 
 
@@ -529,6 +672,15 @@ def plan(models: str | None, methods: str | None, quick: bool) -> list[tuple[str
 
 def main(argv: list[str] | None = None) -> None:
     a = build_parser().parse_args(argv)
+    if a.merge:
+        files = [Path(f) for f in a.merge]
+        out = Path(a.out) if a.out else (C.RESULTS / C.gpu_slug(json.loads(files[0].read_text())["header"].get("gpu"))
+                                         / f"{SUITE}.json")
+        head, rows = merge_files(out, files)
+        copied = copy_logs(files, out.parent / "torchtitan_logs")
+        print(f"merged {len(files)} file(s) into {out}: {len(rows)} rows, {len(head.get('replaced_rows', []))} "
+              f"replaced rows kept in the header, {len(copied)} logs copied", flush=True)
+        return
     runs = plan(a.models, a.methods, a.quick)
     if a.parity:
         runs = [(a.parity_model, m) for m in a.parity_methods.split(",")]
@@ -548,8 +700,11 @@ def main(argv: list[str] | None = None) -> None:
     C.require_cuda(SUITE)
     ensure_assets()
     head, rows = _merge(out)
-    head = {**head, **C.header(SUITE, a.quick, steps=steps, warmup=a.warmup, vocab=VOCAB,
-                                  models={k: MODELS[k] for k in {m for m, _ in runs}})}
+    new = C.header(SUITE, a.quick, steps=steps, warmup=a.warmup, vocab=VOCAB,
+                   models={k: MODELS[k] for k in {m for m, _ in runs}})
+    kind = "parity" if a.parity else "resume" if a.resume_check else "speed"
+    # into a file of earlier calls: their history stays, this call's line is appended (fold_header)
+    head = fold_header(head, new, [{"model": mo, "kind": kind} for mo, _ in runs]) if head else new
     logdir = out.parent / "torchtitan_logs"
     logdir.mkdir(parents=True, exist_ok=True)
     if a.parity:
@@ -571,7 +726,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.profile_step:
             row["profile"] = read_profile(dump)
         row["graph_breaks"] = len(re.findall(r"Graph break", log.read_text(errors="replace")))
-        rows = [r for r in rows if row_key(r) != row_key(row)] + [row]
+        rows = put(head, rows, stamp(row, head))
         C.write_result(out, head, rows)
         print(f"{model} {method}: rc {rc} tokens/s {row['tokens_per_s']} mfu {row['mfu']} "
               f"peak {row['peak_gib']} GiB, {row['wall_s']} s", flush=True)

@@ -62,6 +62,9 @@ def header_lines(h: dict) -> list[str]:
             f"{i}: `{r['source']}` ({r.get('date', '?')})" for i, r in enumerate(h.get("runs", []))) + ".")
     for n in h.get("notes") or []:
         out.append(f"Note: {n}.")
+    for r in h.get("lost_runs") or []:
+        out.append(f"Lost run ({r.get('commit', '?')}, {r.get('date', '?')}; {', '.join(r.get('models', []))}): "
+                   f"{r.get('note', '')}.")
     return out
 
 
@@ -189,8 +192,36 @@ def train_section(rows: list[dict]) -> list[str]:
     return out[:-1]
 
 
+PROFILE_ORDER = ("experts_gemm", "experts_other", "attention", "dense_gemm", "optimizer", "communication", "other")
+
+
+def torchtitan_profiles(rows: list[dict]) -> list[str]:
+    """Per model, the profiled step's GPU kernel milliseconds by class for each method (share of the kernel
+    total in brackets), the kernel total and the step's wall span."""
+    out = []
+    prof = [r for r in rows if r.get("kind", "speed") == "speed" and r.get("profile")]
+    for model in dict.fromkeys(r["model"] for r in prof):
+        sel = [r for r in prof if r["model"] == model]
+        classes = [c for c in PROFILE_ORDER if any(c in r["profile"].get("kernel_ms", {}) for r in sel)]
+        body = []
+        for r in sel:
+            p = r["profile"]
+            body.append([str(r["method"])] + [f"{fmt(p['kernel_ms'].get(c), 1)} ({pct(p.get('share', {}).get(c))})"
+                                              for c in classes]
+                        + [fmt(p.get("kernel_total_ms"), 1), fmt(p.get("step_ms"), 1), str(r.get("commit", "–"))])
+        out += ["", f"Where the time goes, {model} (`--profile-step`, torch.profiler over one step, "
+                f"{sel[0]['profile'].get('trace', '?')}): GPU kernel ms by class (share of the kernel total); "
+                "classes as `bench_torchtitan.PROFILE_CLASSES` (the experts' grouped GEMMs, their other kernels: "
+                "quantizers, permutations, casts, sorts; dense GEMMs: projections, shared experts, LM head).", ""]
+        out += table(["method"] + classes + ["kernel total", "step span", "commit"], body)
+    return out
+
+
 def torchtitan_checks(rows: list[dict]) -> list[str]:
-    """The parity rows (final loss: mean of the last 20 logged losses) and the kill-and-resume rows."""
+    """The parity rows (final loss: mean of the last 20 logged losses) with their summary, and the
+    kill-and-resume rows."""
+    from benchmarks.bench_torchtitan import parity_summary
+
     out = []
     par = [r for r in rows if r.get("kind") == "parity"]
     if par:
@@ -200,12 +231,32 @@ def torchtitan_checks(rows: list[dict]) -> list[str]:
         out += ["", "Loss parity (`--parity`; runs two at a time on the GPU, so no speed figure): final loss = mean of "
                 "the last 20 logged steps.", ""] + table(
             ["model", "method", "seed", "steps", "sequences a step", "final loss", "commit"], body)
+        for model in dict.fromkeys(r["model"] for r in par):
+            s = parity_summary(rows, model, 20)
+            if "bf16_seed_spread" not in s:
+                continue
+            gaps = "; ".join(f"{k[4:]} {s[k]:+.4f} ({'within' if s['within_' + k[4:]] else 'outside'} the spread)"
+                             for k in s if k.startswith("gap_"))
+            out += ["", f"Parity, {model}: bf16's seed spread (max - min final loss over seeds) "
+                    f"{s['bf16_seed_spread']:.4f}; gap to bf16 (mean over seeds): {gaps}."]
     for r in (r for r in rows if r.get("kind") == "resume"):
-        out += ["", f"Kill-and-resume (`--resume-check`, {r['model']} {r['method']}): checkpoints every "
-                f"{r.get('interval')} steps, killed after step {r.get('killed_after_step')}, resumed at step "
-                f"{r.get('first_resumed_step')}; largest |resumed - uninterrupted| loss over steps "
-                f"{r.get('compared_steps')}: {fmt(r.get('max_abs_loss_diff_after_resume'), 4)}."]
+        out += ["", f"Kill-and-resume (`--resume-check`, {r['model']} {r['method']}, commit {r.get('commit', '–')}): "
+                f"checkpoints every {r.get('interval')} steps, killed after step {r.get('killed_after_step')}, resumed "
+                f"from the step-{r.get('interval')} checkpoint (first logged step {r.get('first_resumed_step')})."]
+        if "max_abs_loss_diff_resumed_vs_killed" in r:
+            out[-1] += (f" Largest |loss difference|: resumed - killed on the re-run steps {_span(r.get('rerun_steps'))} "
+                        f"{fmt(r.get('max_abs_loss_diff_resumed_vs_killed'), 5)} (what the resume changes); killed - "
+                        f"uninterrupted on steps {_span(r.get('noise_steps'))} {fmt(r.get('run_to_run_noise'), 4)} "
+                        f"(run-to-run noise, before any checkpoint); resumed - uninterrupted on steps "
+                        f"{_span(r.get('compared_steps'))} {fmt(r.get('max_abs_loss_diff_after_resume'), 4)}.")
+        else:
+            out[-1] += (f" Largest |resumed - uninterrupted| loss over steps {r.get('compared_steps')}: "
+                        f"{fmt(r.get('max_abs_loss_diff_after_resume'), 4)}.")
     return out
+
+
+def _span(steps) -> str:
+    return f"{steps[0]}-{steps[-1]}" if steps else "–"
 
 
 def torchtitan_section(rows: list[dict]) -> list[str]:
@@ -223,12 +274,13 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
              str(r.get("commit", "–"))]  # rows merged from several calls carry their own commit
             for r in rows]
     return ["![torchtitan loss](results/h200/torchtitan_loss.png)", "",
+            "![torchtitan parity](results/h200/torchtitan_parity.png)", "",
             "torchtitan 0.2.2's own training entry point (`python -m benchmarks torchtitan`), cut flavors of the "
             "published models, `--compile.enable`, selective activation checkpointing; `bf16`: torchtitan's "
             "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter. tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps. Rows from several calls (their commit column; the "
             "header's git note): ratios across commits compare calls on different machines.", ""] + (
-                table(head, body) + checks)
+                table(head, body) + torchtitan_profiles(rows) + checks)
 
 
 SECTIONS = {"quantize": ("Quantization kernels", quantize_section), "gemm": ("Grouped GEMMs", gemm_section),
@@ -350,8 +402,10 @@ def plot_train(rows, path):
 
 def plot_torchtitan(rows, path):
     """Speed-up over bf16 and over torchao FP8 rowwise per (model, method) in ``path``; beside it
-    (``torchtitan_loss.png``) each run's logged training loss (the parity runs' too)."""
-    curves = [r for r in rows if r.get("steps") and r.get("loss") and r.get("kind", "speed") in ("speed", "parity")]
+    (``torchtitan_loss.png``) each speed run's logged training loss and (``torchtitan_parity.png``) the parity
+    runs' loss curves."""
+    plot_torchtitan_parity(rows, Path(path).with_name("torchtitan_parity.png"))
+    curves = [r for r in rows if r.get("steps") and r.get("loss") and r.get("kind", "speed") == "speed"]
     rows = [r for r in rows if r.get("kind", "speed") == "speed"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
     ao = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "torchao_fp8"}
@@ -378,6 +432,37 @@ def plot_torchtitan(rows, path):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(Path(path).with_name("torchtitan_loss.png"), dpi=110)
+    plt.close(fig)
+
+
+def plot_torchtitan_parity(rows, path):
+    """The parity runs' loss per method and seed (a moving mean over 5 logged steps: each logged loss is one
+    step's), one panel per model; nothing without parity rows."""
+    par = [r for r in rows if r.get("kind") == "parity" and r.get("steps") and r.get("loss")]
+    if not par:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in par))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.0), squeeze=False)
+    colors = {}
+    for ax, model in zip(axes[0], models):
+        for r in (r for r in par if r["model"] == model):
+            loss, n = r["loss"], 5
+            smooth = [statistics.fmean(loss[max(0, i - n + 1):i + 1]) for i in range(len(loss))]
+            color = colors.setdefault(r["method"], f"C{len(colors)}")
+            ax.plot(r["steps"], smooth, lw=1.0, color=color, ls="-" if r.get("seed", 0) == 0 else "--",
+                    label=f"{r['method']} seed {r.get('seed')}")
+        ax.set_title(f"torchtitan {model}: loss parity (moving mean of 5 logged steps)", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_ylim(top=min(ax.get_ylim()[1], 8.0))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -250,6 +250,8 @@ def test_torchtitan_resume_check_kills_and_resumes(monkeypatch, tmp_path):
     assert 30 in killed and max(killed) < 40  # killed after step 30's line, before the end
     assert row["first_resumed_step"] == 21 and max(row["loss_by_step"]["resumed"]) == 40
     assert row["compared_steps"] == [25, 30, 35, 40] and row["max_abs_loss_diff_after_resume"] == 0
+    assert row["rerun_steps"] == [25, 30] and row["max_abs_loss_diff_resumed_vs_killed"] == 0
+    assert row["noise_steps"] == [1, 5, 10, 15, 20] and row["run_to_run_noise"] == 0
     assert json.loads((tmp_path / "tt.json").read_text())["rows"][0]["kind"] == "resume"
     # the kill reached the worker (in its own session, as torchrun starts it): its log ends before the last step
     log = (tmp_path / "resume_dsv3-debug_mxfp8_128_killed.txt").read_text()
@@ -282,8 +284,36 @@ def test_render_torchtitan_parity_and_resume_rows(tmp_path):
     (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
     text = report.render(tmp_path)
     assert "| m | bf16 | 1 | 1000 | 1 | 2.5000 | abc |" in text
-    assert "resumed at step 101" in text and "0.0012" in text
+    assert "first logged step 101" in text and "0.0012" in text
     assert text.count("| m | bf16 |") == 2  # the speed row and the parity row, nothing for the resume row
+
+
+def test_render_torchtitan_parity_summary_resume_metrics_and_profiles(tmp_path):
+    """The parity summary (bf16's seed spread, each method's gap), the resume row's three differences, and a
+    table per model of the profiled step's kernel ms by class."""
+    (tmp_path / "h200").mkdir()
+    prof = lambda opt: {"trace": "iteration_100", "kernel_ms": {"experts_gemm": 20.0, "optimizer": opt},  # noqa: E731
+                        "share": {"experts_gemm": 20 / (20 + opt), "optimizer": opt / (20 + opt)},
+                        "kernel_total_ms": 20.0 + opt, "step_ms": 100.0}
+    rows = [{"model": "m", "method": "bf16", "tokens_per_s": 100.0, "loss": [3.0], "profile": prof(60.0), "commit": "c1"},
+            {"model": "m", "method": "mxfp8_128", "tokens_per_s": 110.0, "loss": [3.0], "profile": prof(80.0)}]
+    rows += [{"model": "m", "method": me, "kind": "parity", "seed": sd, "steps": [1000], "loss": [v + 0.02 * sd]}
+             for me, v in (("bf16", 3.0), ("mxfp8_128", 3.005)) for sd in (0, 1)]
+    rows.append({"model": "d", "method": "mxfp8_128", "kind": "resume", "interval": 100, "killed_after_step": 150,
+                 "first_resumed_step": 105, "compared_steps": [105, 200], "max_abs_loss_diff_after_resume": 0.125,
+                 "rerun_steps": [105, 150], "max_abs_loss_diff_resumed_vs_killed": 6e-5, "noise_steps": [1, 100],
+                 "run_to_run_noise": 0.04})
+    lost = [{"commit": "c9", "date": "2026-12-04", "models": ["m"], "note": "its file was overwritten"}]
+    (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200", "lost_runs": lost},
+                                                                   "rows": rows}))
+    text = report.render(tmp_path)
+    assert "Lost run (c9, 2026-12-04; m): its file was overwritten." in text
+    assert "| method | experts_gemm | optimizer | kernel total | step span | commit |" in text
+    assert "| bf16 | 20.0 (25%) | 60.0 (75%) | 80.0 | 100.0 | c1 |" in text
+    assert "bf16's seed spread (max - min final loss over seeds) 0.0200" in text and "mxfp8_128 +0.0050 (within" in text
+    assert "re-run steps 105-150 0.00006" in text and "steps 1-100 0.0400" in text and "steps 105-200 0.1250" in text
+    report.plot_torchtitan(rows, tmp_path / "h200" / "torchtitan.png")
+    assert (tmp_path / "h200" / "torchtitan_parity.png").exists()
 
 
 def test_torchtitan_profile_summary_classes_kernels(tmp_path):
@@ -321,3 +351,69 @@ def test_torchtitan_profile_summary_classes_kernels(tmp_path):
     r = T.read_profile(tmp_path / "dump")
     assert r["trace"] == "iteration_100" and r["kernel_total_ms"] == 183.0
     assert not (tmp_path / "dump" / "profile_traces").exists() and T.read_profile(tmp_path / "dump") is None
+
+
+def test_torchtitan_resume_row_separates_resume_from_run_to_run_noise():
+    """resume_row: the resumed run against the killed one on the steps it re-ran (interval, kill], against the
+    uninterrupted one after the checkpoint, and the killed run against the uninterrupted one before any
+    checkpoint (the noise without a resume)."""
+    from benchmarks import bench_torchtitan as T
+
+    full = {1: 10.0, 50: 5.0, 100: 4.0, 105: 3.9, 150: 3.5, 200: 3.0}
+    killed = {1: 10.0, 50: 5.02, 100: 4.01, 105: 3.95, 150: 3.52}
+    resumed = {105: 3.95, 150: 3.5201, 200: 3.1}
+    rcs = {"uninterrupted": 0, "killed": -9, "resumed": 0}
+    row = T.resume_row({"uninterrupted": full, "killed": killed, "resumed": resumed}, rcs, 100, 150)
+    assert row["kind"] == "resume" and row["rc"] == rcs and row["first_resumed_step"] == 105
+    assert row["rerun_steps"] == [105, 150] and row["max_abs_loss_diff_resumed_vs_killed"] == pytest.approx(1e-4)
+    assert row["compared_steps"] == [105, 150, 200] and row["max_abs_loss_diff_after_resume"] == pytest.approx(0.1)
+    assert row["noise_steps"] == [1, 50, 100] and row["run_to_run_noise"] == pytest.approx(0.02)
+    empty = T.resume_row({"uninterrupted": full, "killed": killed}, rcs, 100, 150)
+    assert empty["first_resumed_step"] is None and empty["max_abs_loss_diff_resumed_vs_killed"] is None
+
+
+def test_torchtitan_merge_folds_device_files(tmp_path):
+    """--merge: incoming rows stamped with their file's commit and date, put in place of the canonical rows of
+    their key (those kept, without curves, in replaced_rows), the file's command line and a run line appended,
+    rows of other keys kept, the parity summary recomputed, the logs beside the file copied."""
+    from benchmarks import bench_torchtitan as T
+
+    canon = tmp_path / "h200" / "torchtitan.json"
+    old = [{"model": "m", "method": "bf16", "tokens_per_s": 1.0, "loss": [3.0], "commit": "aaa", "date": "d0"},
+           {"model": "q", "method": "bf16", "tokens_per_s": 2.0, "loss": [3.0], "commit": "aaa", "date": "d0"}]
+    C.write_result(canon, {"suite": "torchtitan", "date": "2026-01-01", "git": {"commit": "aaa"},
+                           "argv": [["x"]], "runs": [{"date": "2026-01-01"}], "not_run": "z", "gpu": "NVIDIA H200"},
+                   old)
+    dev = tmp_path / "dev"
+    (dev / "torchtitan_logs").mkdir(parents=True)
+    (dev / "torchtitan_logs" / "m_bf16.txt").write_text("log")
+    par = [{"model": "m", "method": me, "kind": "parity", "seed": sd, "loss": [v + sd * 0.01]}
+           for me, v in (("bf16", 3.0), ("mxfp8_128", 3.002)) for sd in (0, 1)]
+    inc = {"suite": "torchtitan", "date": "2026-02-02", "git": {"commit": "bbb", "dirty": None}, "argv": ["--y"],
+           "gpu": "NVIDIA H200", "steps": 110, "parity": {"model": "m", "tail_logged_steps": 20}}
+    C.write_result(dev / "torchtitan.json", inc,
+                   [{"model": "m", "method": "bf16", "tokens_per_s": 5.0, "loss": [2.0]},
+                    {"model": "m", "method": "mxfp8_128", "tokens_per_s": 6.0, "loss": [2.0], "commit": "ccc"}]
+                   + par)
+    T.main(["--merge", str(dev / "torchtitan.json"), "--out", str(canon)])
+    d = json.loads(canon.read_text())
+    h, rows = d["header"], {T.row_key(r): r for r in d["rows"]}
+    assert len(rows) == 7 and rows[("q", "bf16", "speed", 0)]["commit"] == "aaa"
+    assert rows[("m", "bf16", "speed", 0)]["tokens_per_s"] == 5.0
+    assert (rows[("m", "bf16", "speed", 0)]["commit"], rows[("m", "bf16", "speed", 0)]["date"]) == ("bbb", "2026-02-02")
+    assert rows[("m", "mxfp8_128", "speed", 0)]["commit"] == "ccc"  # a row's own commit stays
+    assert h["replaced_rows"] == [{"model": "m", "method": "bf16", "tokens_per_s": 1.0, "commit": "aaa", "date": "d0"}]
+    assert h["argv"] == [["x"], ["--y"]] and len(h["runs"]) == 2 and h["runs"][1]["commit"] == "bbb"
+    assert h["runs"][1]["source"] == "torchtitan.json" and h["date"] == "2026-02-02" and h["git"]["commit"] == "bbb"
+    assert h["not_run"] == "z" and "bbb (2026-02-02)" in h["git"]["note"] and "aaa (d0)" in h["git"]["note"]
+    assert h["parity"]["bf16_seed_spread"] == pytest.approx(0.01) and h["parity"]["within_mxfp8_128"]
+    assert (canon.parent / "torchtitan_logs" / "m_bf16.txt").read_text() == "log"
+
+
+def test_torchtitan_rows_carry_their_call_commit(monkeypatch, tmp_path):
+    """A row the bench writes carries the commit and date of its call's header; a row's own stay."""
+    from benchmarks import bench_torchtitan as T
+
+    head = {"git": {"commit": "abc"}, "date": "2026-03-03"}
+    assert T.stamp({"model": "m"}, head) == {"model": "m", "commit": "abc", "date": "2026-03-03"}
+    assert T.stamp({"commit": "x", "date": "y"}, head) == {"commit": "x", "date": "y"}
