@@ -354,13 +354,14 @@ def _bars(path: Path, title: str, labels: list[str], series: dict[str, list], yl
 
 
 def plot_layer(rows, path):
-    sel = [r for r in rows if r["balance"] == "balanced" and r.get("run", 0) in (0, 2)]
+    newest = max(r.get("run", 0) for r in rows)
+    sel = [r for r in rows if r["balance"] == "balanced" and r.get("run", 0) == newest]
     shapes = sorted({r["shape"] for r in sel}, key=shape_key)
     series = {}
     for r in sel:
         key = f"{r['recipe']}, {r.get('timing', 'eager')}"
         series.setdefault(key, {})[r["shape"]] = ratio(r.get("bf16_ms"), r["ms"])
-    _bars(path, "MoE layer fwd+bwd, speed-up over bf16 (balanced)", shapes,
+    _bars(path, f"MoE layer fwd+bwd, speed-up over bf16 (balanced, run {newest})", shapes,
           {k: [v.get(s) for s in shapes] for k, v in series.items()}, "x bf16")
 
 
