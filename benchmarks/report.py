@@ -150,7 +150,9 @@ def layer_section(rows: list[dict]) -> list[str]:
              "cudagraphs": " (torch.compile's plain cudagraphs backend, as `mxmoe train --compile cudagraphs`: it also "
                            "copies the parameters into the graphs' inputs at every replay)",
              "eager": " (every kernel launched from Python)"}
-    for timing in ("inductor-cudagraphs", "cudagraphs", "eager", "inductor"):
+    from benchmarks.bench_layer import TIMINGS  # the suite's own list, in its order
+
+    for timing in TIMINGS:
         sel = [r for r in rows if r.get("timing", "eager") == timing]
         if not sel:
             continue
