@@ -10,6 +10,8 @@ environment switches:
                             ``mxfp8_128`` operands take the promote-per-128 kernel whenever it is built.
 ``MXMOE_LAYER_KERNELS``     ``0``: the torch ops instead of the layer kernels (gather, combine, SwiGLU, cast)
 ``MXMOE_FUSED_PERMUTE``     ``0``: no fused permutation + quantize-dequantize on the expansion route
+``MXMOE_FUSED_COMBINE``     ``0``: the top-k combine's backward and dy's dual FP8 quantization as two kernels
+                            (``mxfp8_128`` on sm_90), not one
 ``MXMOE_QUANT_GLUON``       ``0``: the Triton columnwise quantization kernels instead of the Gluon ones (sm_90)
 ``TRITON_INTERPRET``        ``1``: Triton's interpreter (kernels on CPU tensors; tests only)
 ==========================  =========================================================================
@@ -97,6 +99,7 @@ class Backend:
         layer_kernels: gather / combine / SwiGLU / cast kernels around the products.
         fused_permute: the fused permutation + quantize-dequantize kernel on the expansion route.
         quant_gluon: the Gluon columnwise quantization kernels (sm_90).
+        fused_combine: the combine's backward fused with the down projection's dy quantization (``mxfp8_128``).
     """
 
     device: str
@@ -106,6 +109,7 @@ class Backend:
     layer_kernels: bool = False
     fused_permute: bool = False
     quant_gluon: bool = False
+    fused_combine: bool = False
 
     def gemm_route(self, k_grouped: bool, a_block: tuple[int, int], b_block: tuple[int, int]) -> str:
         """The route of an MX grouped product (see the module's route list): M-grouped (fprop,
@@ -163,14 +167,15 @@ class Backend:
 
 @functools.lru_cache(maxsize=64)
 def _resolve(device: str, index: int, sm90_gemm: str, layer_kernels: bool, fused_permute: bool,
-             quant_gluon: bool, interp: bool) -> Backend:
+             quant_gluon: bool, interp: bool, fused_combine: bool = True) -> Backend:
     if device != "cuda":  # (Triton's interpreter runs the kernels on CPU tensors: tests call them directly)
         return Backend("cpu" if device == "cpu" else device, "cpu", interp and triton_available(), sm90_gemm)
     major, minor = capability(index)
     arch = "sm90" if (major, minor) == (9, 0) else "sm100" if major == 10 else "cuda"
     kernels = triton_available()
     return Backend(f"cuda:{index}", arch, kernels, sm90_gemm, kernels and layer_kernels,
-                   kernels and fused_permute, kernels and arch == "sm90" and quant_gluon and not interp)
+                   kernels and fused_permute, kernels and arch == "sm90" and quant_gluon and not interp,
+                   kernels and layer_kernels and fused_combine)
 
 
 def resolve(device: "torch.device | str") -> Backend:
@@ -184,7 +189,8 @@ def resolve(device: "torch.device | str") -> Backend:
     # (under torch.compile the function itself is traced: Dynamo does not trace through the cache)
     fn = _resolve.__wrapped__ if torch.compiler.is_compiling() else _resolve
     return fn(device.type, index, _sm90_gemm_choice(), _switch_on("MXMOE_LAYER_KERNELS"),
-              _switch_on("MXMOE_FUSED_PERMUTE"), _switch_on("MXMOE_QUANT_GLUON"), interpreting())
+              _switch_on("MXMOE_FUSED_PERMUTE"), _switch_on("MXMOE_QUANT_GLUON"), interpreting(),
+              _switch_on("MXMOE_FUSED_COMBINE"))
 
 
 def describe(device: "torch.device | str | None" = None) -> str:

@@ -25,6 +25,7 @@ from mxmoe.backend import Backend, autocast_dtype, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
 from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits, swiglu
+from mxmoe.ops.tokens import linear_combine
 from mxmoe.ops.linear import check_high_precision, prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
@@ -183,15 +184,20 @@ class MoE(nn.Module):
         return combine(yp, state.slot_rows, r.weights, validate=False, backend=r.backend)
 
     def experts_forward(self, xp: torch.Tensor, offs: torch.Tensor, x_mx: MXTensor | None = None,
-                        backend: Backend | None = None) -> torch.Tensor:
+                        backend: Backend | None = None, r: Routing | None = None) -> torch.Tensor:
         """SwiGLU experts on the expert-ordered buffer ``xp [M, D]`` -> ``[M, D]``; ``x_mx``: the same
         rows already in MXFP8 (:meth:`permute`'s contract; no second quantization): along D, fprop
         uses it; along rows, xp is its BF16 MX values and wgrad uses it. ``backend``: the kernels
-        (:func:`mxmoe.backend.resolve` of xp's device by default)."""
+        (:func:`mxmoe.backend.resolve` of xp's device by default). With the routing ``r`` the result is
+        the tokens' output ``[T, D]`` instead: the layer's own top-k combine as one op with the down
+        projection (:func:`mxmoe.ops.tokens.linear_combine`, which fuses their backward kernels)."""
         be = backend or resolve(xp.device)
         h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, **prequantized_operands(x_mx),
                            backend=be)  # [M, 2F]
         a, a_mx = swiglu(h, self.recipe, self.w2, backend=be)  # fused with a's quantization where the route allows
+        if r is not None:
+            return linear_combine(a, self.w2, offs, r.slot_rows, r.weights, self.recipe, **prequantized_operands(a_mx),
+                                  backend=be)  # [T, D]
         return grouped_linear(a, self.w2, offs, self.recipe, validate=False, **prequantized_operands(a_mx),
                               backend=be)  # [M, D]
 
@@ -219,8 +225,10 @@ class MoE(nn.Module):
         if cast is not None and x2.dtype == torch.float32:
             x2 = x2.to(cast)  # BF16 activations: the fused kernels apply
         xp, offs, x_mx, state = self.permute(x2, r)  # [M, D]
-        yp = self.experts_forward(xp, offs, x_mx, r.backend)  # [M, D]
-        y = self.unpermute(yp, state, r)  # [T, D]
+        if type(self).unpermute is MoE.unpermute and state is r:  # the layer's own combine: one op with w2's product
+            y = self.experts_forward(xp, offs, x_mx, r.backend, r)  # [T, D]
+        else:  # a subclass's unpermute (e.g. expert parallel: the reverse exchange first)
+            y = self.unpermute(self.experts_forward(xp, offs, x_mx, r.backend), state, r)  # [T, D]
         return y.view(shape).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -162,6 +162,29 @@ def test_fused_fp8_route_plumbing_matches_unfused(monkeypatch):
         assert torch.equal(g, w)
     assert linear.grad_handle(x, 256, 128).stride() == (0, 0)
 
+    # and the down projection + combine as one Function, its backward's dy quantized by the fused kernel
+    from mxmoe.kernels import torch_ops
+
+    def combine_backward_q(dy, w, yp, slot, top_k, rule):
+        used.append("combine")
+        live = slot >= 0
+        tok = torch.where(live, slot // top_k, 0).long()
+        dyp = torch.where(live[:, None], (dy[tok].float() * w[slot.clamp(min=0).long()][:, None]).to(dy.dtype), 0)
+        return (*dual(dyp, rule), torch.where(live, (dy[tok].float() * yp.float()).sum(1), 0))
+
+    monkeypatch.setattr(torch_ops.EAGER, "combine_backward_quantize_128", combine_backward_q)
+    monkeypatch.setattr(moe_module, "resolve",
+                        lambda device: Backend("cpu", "cpu", False, fused_permute=True, fused_combine=True))
+    used.clear()
+    got = run()
+    assert used == ["permute", "swiglu", "combine"]
+    names = ["y", "dx"] + [n for n, _ in moe.named_parameters()]
+    for g, w, name in zip(got, want, names):
+        if name == "router.weight":  # the router weights' gradient: FP32 sums in another order
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(g, w), name
+
 
 @pytest.mark.gpu
 def test_gpu_grouped_linear_128_products_vs_fp64():
@@ -215,6 +238,43 @@ def test_gpu_moe_layer_128_matches_reference_path(recipe):
     for g_, r_, name in zip(got, ref, ("y", "dx", "dw13", "dw2", "drouter")):
         err = _rel(g_, r_.double())
         assert torch.isfinite(g_).all() and err <= 3e-2, f"{name}: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,top_k", [("mxfp8_128", 2), ("mxfp8_128", 6), ("mxfp8_128_lowmem", 8)])
+def test_gpu_moe_fused_combine_equals_unfused(recipe, top_k, monkeypatch):
+    """The layer with the down projection and the combine as one Function (the combine's backward fused with
+    dy's dual FP8 quantization) against MXMOE_FUSED_COMBINE=0 (combine backward kernel, then quantize_dual_128):
+    output and the input and expert-weight gradients bit for bit, the router's gradient to FP32 summation
+    order; an empty expert, a token count off the 128-row tiles; checks the fused kernel ran only when on."""
+    from mxmoe.kernels import dispatch
+
+    calls = []
+    fused = dispatch.combine_backward_quantize_128
+    monkeypatch.setattr(dispatch, "combine_backward_quantize_128", lambda *a: calls.append(1) or fused(*a))
+    torch.manual_seed(0)
+    m = mxmoe.MoE(256, 384, 12, top_k, recipe=recipe).cuda()
+    with torch.no_grad():
+        m.router.weight[5] = -0.5  # x has a positive mean: expert 5's logit is far below the rest, it gets no token
+    x = (torch.randn(2, 333, 256, device="cuda") + 3.0).to(torch.bfloat16)
+    assert int(m.route(x.view(-1, 256)).counts[5]) == 0
+    dy = torch.randn(2, 333, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        xx = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = m(xx)
+        y.backward(dy)
+        return [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
+
+    new = run()
+    assert len(calls) == 1
+    monkeypatch.setenv("MXMOE_FUSED_COMBINE", "0")
+    old = run()
+    assert len(calls) == 1
+    for a, b, what in zip(new[:4], old[:4], ("y", "dx", "dw13", "dw2")):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"{recipe} top_k={top_k} {what}"
+    torch.testing.assert_close(new[4], old[4], rtol=1e-4, atol=1e-6)
 
 
 def test_128_recipe_keeps_swiglu_input_in_1x128_groups():

@@ -204,6 +204,42 @@ def _case_permute_128(Q, dev, gen):
     check_dual(Q, torch.zeros(128, K, dtype=xt.dtype), "rceil", "row_major", "permute no tokens", out=out)
 
 
+def _case_combine_backward_128(Q, dev, gen):
+    """combine_backward_quantize_128 = quantize_dual_128 of the combine's expert-row gradient dyp[r] = w[s] * dy[s // k]
+    (the FP32 product rounded to BF16; zero on padding rows, s = slot[r] = -1), and each row's router-weight gradient
+    <dy[t], yp[r]> against FP64 (0 on padding rows)."""
+    from mxmoe.kernels import quantize_fused as QF
+
+    for T, k, D, M, special_dy in ((37, 3, 256, 384, False), (37, 3, 256, 384, True), (5, 8, 128, 128, False)):
+        dy = wide_randn((T, D), torch.bfloat16, "cpu", gen)
+        if special_dy:
+            dy = special(dy, -1)
+        yp = wide_randn((M, D), torch.bfloat16, "cpu", gen)
+        w = torch.rand(T * k, generator=gen) + 0.01
+        slot = torch.full((M,), -1, dtype=torch.int32)
+        rows = torch.randperm(M, generator=gen)[:min(T * k, M)]
+        slot[rows] = torch.randperm(T * k, generator=gen)[:rows.numel()].to(torch.int32)  # distinct slots, gaps
+        live = slot >= 0
+        tok = torch.where(live, slot // k, 0).long()
+        dyp = torch.where(live[:, None], (dy[tok].float() * w[slot.clamp(min=0).long()][:, None]).to(torch.bfloat16), 0)
+        for rule in RULES:
+            out = QF.combine_backward_quantize_128(dy.to(dev), w.to(dev), yp.to(dev), slot.to(dev), k, rule)
+            tag = f"combine backward T={T} k={k} {rule}{' special' if special_dy else ''}"
+            check_dual(Q, dyp, rule, "row_major", tag, out=out[:4])
+            dw = out[4].cpu()
+            assert dw.dtype == torch.float32 and dw.shape == (M,), tag
+            assert bool((dw[~live] == 0).all()), f"{tag}: padding rows' weight gradient"
+            if not special_dy:
+                prod = torch.where(live[:, None], dy[tok].double() * yp.double(), 0)
+                err = ((dw.double() - prod.sum(1)).abs() / (prod.abs().sum(1) + 1e-30)).max()
+                assert err <= 1e-5, f"{tag}: weight gradient off by {err:.3e} (relative to sum |dy * yp|)"
+    out = QF.combine_backward_quantize_128(torch.randn(0, 128, dtype=torch.bfloat16).to(dev), torch.zeros(0).to(dev),
+                                           torch.randn(128, 128, dtype=torch.bfloat16).to(dev),
+                                           torch.full((128,), -1, dtype=torch.int32).to(dev), 2)  # no tokens
+    check_dual(Q, torch.zeros(128, 128, dtype=torch.bfloat16), "rceil", "row_major", "combine no tokens", out=out[:4])
+    assert not out[4].any()
+
+
 def _case_swiglu_128(Q, dev, gen):
     """swiglu_quantize_128 = quantize_dual_128 of F.silu(gate) * up (torch's BF16 math), h's rows 1x128."""
     import torch.nn.functional as F
@@ -260,6 +296,7 @@ CASES = {
     "noncontiguous_128": _case_noncontiguous,
     "permute_128": _case_permute_128,
     "swiglu_128": _case_swiglu_128,
+    "combine_backward_128": _case_combine_backward_128,
     "random_shapes_128": _case_random_shapes,
 }
 
@@ -496,6 +533,22 @@ def test_gpu_real_shapes(dtype):
         check_dual(Q, a, rule, "row_major", "swiglu", out=out[:4])
         same_bytes(out[4], ref(h, -1, rule).data, "swiglu h data")
         same_bytes(out[5], ref(h, -1, rule).scale, "swiglu h scale")
+    # the combine's backward fused with dy's dual quantization: 4096 tokens, top-6, rows padded per expert
+    T, k, D = 4096, 6, 2048
+    dy = wide_randn((T, D), torch.bfloat16, "cpu", gen)
+    yp = wide_randn((T * k + 64 * 128, D), torch.bfloat16, "cpu", gen)
+    w = torch.rand(T * k, generator=gen)
+    slot = torch.full((yp.shape[0],), -1, dtype=torch.int32)
+    slot[torch.randperm(yp.shape[0], generator=gen)[:T * k]] = torch.arange(T * k, dtype=torch.int32)
+    live = slot >= 0
+    tok = torch.where(live, slot // k, 0).long()
+    dyp = torch.where(live[:, None], (dy[tok].float() * w[slot.clamp(min=0).long()][:, None]).to(torch.bfloat16), 0)
+    prod = torch.where(live[:, None], dy[tok].double() * yp.double(), 0)
+    for rule in RULES:
+        out = QF.combine_backward_quantize_128(dy.cuda(), w.cuda(), yp.cuda(), slot.cuda(), k, rule)
+        check_dual(Q, dyp, rule, "row_major", "combine backward", out=out[:4])
+        err = ((out[4].cpu().double() - prod.sum(1)).abs() / (prod.abs().sum(1) + 1e-30)).max()
+        assert err <= 1e-5, f"combine backward weight gradient off by {err:.3e} (relative to sum |dy * yp|)"
 
 
 @pytest.mark.gpu

@@ -124,6 +124,18 @@ def permute_quantize_128(x: torch.Tensor, src: torch.Tensor, scale_rule: str):
     return _ops().permute_quantize_128(x, src, scale_rule)
 
 
+def combine_backward_quantize_128(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: torch.Tensor, top_k: int,
+                                  scale_rule: str):
+    """The top-k combine's backward fused with the dual 1x128 / 128x1 quantization of the expert rows' gradient
+    (never written): ``(dyp along D, dyp along rows)`` as MXTensors ``[M, D]`` and the FP32 router-weight gradient
+    of each row ``[M]`` (:func:`mxmoe.kernels.quantize_fused.combine_backward_quantize_128`)."""
+    from mxmoe.kernels import quantize as q
+
+    data, scale, data_t, scale_t, dw_rows = _ops().combine_backward_quantize_128(dy, w, yp, slot, top_k, scale_rule)
+    g = (1, 128)
+    return q.rowwise_mxtensor(data, scale, scale_rule, g), q.columnwise_mxtensor(data_t, scale_t, scale_rule, g), dw_rows
+
+
 def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool):
     """``h [M, 2F]`` bf16 -> ``a = silu(gate) * up`` quantized both ways in 1x128 / 128x1 groups (a never
     written), then with ``save_h`` h along 2F in 1x128 groups (else two empty tensors)."""

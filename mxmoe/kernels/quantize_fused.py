@@ -1,7 +1,8 @@
 """Fused MXFP8 quantizers' launchers: SwiGLU fused with the dual quantization of its output (``swiglu_qdq``,
 ``swiglu_quantize_128``: the down-projection's input) and the token permutation fused with the dual quantization of
-the gathered rows (``permute_qdq``, ``permute_quantize_128``: the first expert product's input); neither
-intermediate is written. The Triton bodies are :mod:`mxmoe.kernels.quantize_fused_triton` (imported on first use);
+the gathered rows (``permute_qdq``, ``permute_quantize_128``: the first expert product's input), and the top-k
+combine's backward fused with the dual quantization of its expert-row gradient (``combine_backward_quantize_128``:
+the down projection's dy); no intermediate is written. The Triton bodies are :mod:`mxmoe.kernels.quantize_fused_triton` (imported on first use);
 on sm_90 the 1x128 forms take the Gluon kernels of :mod:`mxmoe.kernels.quantize_gluon`.
 """
 
@@ -13,7 +14,7 @@ from mxmoe.formats import BLOCK, ScaleRule
 from mxmoe.kernels.quantize_launch import (_G128, _check, _gluon, _interpreting, _launch_gluon, _launch_tiles, _rule,
                                            _use_gluon, triton_cdiv)
 from mxmoe.kernels.quantize_tile_config import (_GLUON_TILES_SWIGLU, _GLUON_VEC, _SWIGLU_TMA_STAGES, _config_128_fused,
-                                                _config_qdq, _config_swiglu)
+                                                _config_qdq, _config_swiglu, _gluon_tile)
 
 
 def _kernels():
@@ -199,3 +200,62 @@ def _launch_permute(x: torch.Tensor, src: torch.Tensor, scale_rule, fp8_rows: bo
         _launch_tiles(kernel, args, kwargs, total, persistent, dev)
     out = (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu)) if fp8_rows else (rows,)
     return (*out, qc.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu))
+
+
+def combine_backward_quantize_128(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: torch.Tensor,
+                                  top_k: int, scale_rule: ScaleRule | str = "rceil"):
+    """Backward of the top-k combine ``y[t] = sum_j w[t*k + j] * yp[slot_rows[t*k + j]]`` fused with the dual
+    1x128 / 128x1 quantization of the expert rows' gradient ``dyp[r] = w[s] * dy[s // k]`` (s = ``slot[r]``; the
+    FP32 product rounded to BF16, zero on padding rows: :func:`mxmoe.kernels.layer.combine_backward`'s dyp), which
+    is never written: the recipe ``mxfp8_128``'s down-projection dy, FP8 both ways (dgrad rows, wgrad columns).
+
+    Args:
+        dy: ``[T, D]`` bfloat16, CUDA, ``D % 128 == 0``, unit stride along D.
+        w: ``[T*k]`` float32 router weights.
+        yp: ``[M, D]`` bfloat16, the combine's input (contiguous rows).
+        slot: ``[M]`` int32, the slot each row feeds (-1: a padding row), ``M % 128 == 0``.
+        top_k: k.
+    Returns:
+        ``(data, scale, data_t, scale_t, dw_rows)``: :func:`quantize_dual_128` of dyp, bit for bit, and
+        ``dw_rows [M]`` float32, each row's router-weight gradient ``<dy[t], yp[r]>`` (FP32 sums; 0 on padding
+        rows): the gradient of weight s is ``dw_rows[slot_rows[s]]``.
+    Raises:
+        TypeError: dy or yp not bfloat16, w not float32, slot not int32. ValueError: bad shapes, CPU tensors.
+    On sm_90 with the Gluon kernels one pass (mx_quantize_cols_kernel's IN_MODE 3); elsewhere the combine's
+    backward kernel, then :func:`quantize_dual_128` (the same values).
+    """
+    name = "combine_backward_quantize_128"
+    if dy.dtype != torch.bfloat16 or yp.dtype != torch.bfloat16 or w.dtype != torch.float32 or slot.dtype != torch.int32:
+        raise TypeError(f"{name} expects bfloat16 dy and yp, float32 w and int32 slot, got {dy.dtype}, {yp.dtype}, "
+                        f"{w.dtype}, {slot.dtype}")
+    if (dy.dim() != 2 or yp.dim() != 2 or yp.shape[1] != dy.shape[1] or slot.shape != (yp.shape[0],)
+            or w.shape != (dy.shape[0] * top_k,)):
+        raise ValueError(f"{name} expects dy [T, D], w [T*{top_k}], yp [M, D] and slot [M], got {tuple(dy.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(yp.shape)}, {tuple(slot.shape)}")
+    if yp.shape[0] % _G128:
+        raise ValueError(f"{name}: the buffer's row count (M={yp.shape[0]}) must be divisible by {_G128}")
+    _check(dy, name, need_k32=True, need_m32=False, group=_G128)
+    (T, D), M = dy.shape, yp.shape[0]
+    if not (M and D and T and _use_gluon(dy[None])):
+        from mxmoe.kernels import layer
+        from mxmoe.kernels.quantize import quantize_dual_128
+
+        dyp, dw = layer.combine_backward(dy, w, yp, slot, top_k)
+        live = slot >= 0
+        dw_rows = torch.where(live, dw[torch.where(live, slot, 0).long()], 0.0) if dw.numel() else dyp.new_zeros(
+            M, dtype=torch.float32)
+        return (*quantize_dual_128(dyp, scale_rule), dw_rows)
+    yp = yp if yp.stride(1) == 1 and yp.stride(0) == D else yp.contiguous()
+    dev = dy.device
+    rows = torch.empty(M, D, dtype=torch.uint8, device=dev)
+    srow = torch.empty(M, D // BLOCK, dtype=torch.uint8, device=dev)
+    qc = torch.empty(D, M, dtype=torch.uint8, device=dev)
+    sc = torch.empty(D, M // BLOCK, dtype=torch.uint8, device=dev)
+    tile = _gluon_tile(1, dy[None])
+    dwp = torch.empty(triton_cdiv(D, tile["BK"]), M, dtype=torch.float32, device=dev)
+    _launch_gluon(dy[None], qc, sc, rows, srow, M, D, _rule(scale_rule), row=1, col=1, layout=0, group=_G128,
+                  shape=(1, M, D), tile=tile,
+                  fused=dict(IN_MODE=3, src_ptr=slot.contiguous(), T=T, w_ptr=w.contiguous(), yp_ptr=yp,
+                             dwp_ptr=dwp, TOP_K=top_k))
+    return (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu), qc.view(torch.float8_e4m3fn),
+            sc.view(torch.float8_e8m0fnu), dwp.sum(0))

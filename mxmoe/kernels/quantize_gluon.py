@@ -144,6 +144,7 @@ def mx_quantize_cols_kernel(
     WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr, K_FAST: gl.constexpr = False,
     RS: gl.constexpr = 32, GROUP: gl.constexpr = 32,
     src_ptr=None, T=0, qh_ptr=None, sh_ptr=None, IN_MODE: gl.constexpr = 0, SAVE_H: gl.constexpr = False,
+    w_ptr=None, yp_ptr=None, dwp_ptr=None, TOP_K: gl.constexpr = 1,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, K_FAST: k-tiles fastest; then b); WM*WK warps.
 
@@ -162,7 +163,11 @@ def mx_quantize_cols_kernel(
     IN_MODE (B == 1) fuses the producer of the tile: 1, the rows gathered from x [T, K] by src [M] (int32/int64;
     outside [0, T): a zero row), i.e. the outputs of x[src]; 2, SwiGLU: x is h [M, 2K] bf16 and the tile is
     a = silu(h[:, :K]) * h[:, K:] (BF16 math as torch's, quantize_fused_triton._silu_mul_bf16), with SAVE_H also h's
-    rows quantized (ROW mode 1, GROUP) into qh [M, 2K] + sh [M, 2K/32] row-major (K % BK == 0).
+    rows quantized (ROW mode 1, GROUP) into qh [M, 2K] + sh [M, 2K/32] row-major (K % BK == 0); 3, the top-k
+    combine's backward: x is dy [T, K], src [M] int32 the slot s = t*TOP_K + j of each row (-1: padding), and the
+    tile is dyp[m] = w[s] * dy[s // TOP_K] (w [T*TOP_K] FP32; the FP32 product rounded to BF16, zero on padding
+    rows: layer_triton.combine_backward_kernel's dyp), with each row's partial router-weight gradient
+    sum_k dy[t, k] * yp[m, k] over the tile's columns (FP32, yp [M, K] bf16 contiguous) stored to dwp [n_k, M].
     """
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
@@ -190,6 +195,14 @@ def mx_quantize_cols_kernel(
                      GROUP)
             _rowwise(up, m, k, tm, tk, b, qh_ptr + K, sh_ptr + K // 32, M, 2 * K, 0, rceil, 1, 0, MB, BK, WM, WK,
                      L_IN, False, GROUP)
+    elif IN_MODE == 3:  # combine backward: dyp[m] = w[s] * dy[s // TOP_K], and the partial <dy[t], yp[m]>
+        slot = gl.load(src_ptr + m, mask=m < M, other=-1)
+        live = slot >= 0
+        g = _to_f32(gl.load(x_ptr + gl.where(live, slot // TOP_K, 0).to(gl.int64) * stride_xm + k,
+                            mask=live & (k < K), other=0.0))
+        x = (g * gl.load(w_ptr + slot, mask=live, other=0.0)).to(gl.bfloat16)
+        yv = _to_f32(gl.load(yp_ptr + m.to(gl.int64) * K + k, mask=live & (k < K), other=0.0))
+        gl.store(dwp_ptr + tk.to(gl.int64) * M + m, gl.expand_dims(gl.sum(g * yv, axis=2), 2), mask=m < M)
     else:
         x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
 

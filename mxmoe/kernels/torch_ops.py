@@ -18,6 +18,8 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``permute_quantize_128``    (x ``[T, K]``, src ``[M]`` int) -> quantize_dual_128 of ``x[src]`` (src -1: zero row)
 ``swiglu_quantize_128``     (h ``[M, 2F]`` bf16, rule, save_h) -> quantize_dual_128 of ``silu(h[:, :F]) * h[:, F:]``,
                             + h quantized along 2F in 1x128 groups (data, scale) if save_h, else two empty tensors
+``combine_backward_quantize_128``  (dy ``[T, D]``, w ``[T*k]``, yp ``[M, D]``, slot ``[M]`` int32, top_k, rule) ->
+                            quantize_dual_128 of the combine's dyp + FP32 ``[M]`` router-weight gradient per row
 ``dequantize_bf16``         (data ``[..., R, C]``, scale ``[..., R, C/32]``) -> bf16 ``[..., R, C]``
 ``qdq_rowwise``             (x ``[..., M, K]``, rule, tile32) -> bf16 ``[..., M, K]``: MX values along K
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
@@ -165,6 +167,15 @@ def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool) -> tuple
     from mxmoe.kernels import quantize_fused as q
 
     return tuple(q.swiglu_quantize_128(h, scale_rule, save_h))
+
+
+@_op
+def combine_backward_quantize_128(dy: torch.Tensor, w: torch.Tensor, yp: torch.Tensor, slot: torch.Tensor, top_k: int,
+                                  scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    from mxmoe.kernels import quantize_fused as q
+
+    return tuple(q.combine_backward_quantize_128(dy, w, yp, slot, top_k, scale_rule))
 
 
 @_op
@@ -334,6 +345,8 @@ swiglu_quantize_128.register_fake(lambda h, scale_rule, save_h: (
     *_row(h.new_empty((h.shape[0], h.shape[1] // 2))), *_col(h.new_empty((h.shape[0], h.shape[1] // 2))),
     h.new_empty(h.shape if save_h else (0,), dtype=E4M3),
     h.new_empty((h.shape[0], h.shape[1] // 32) if save_h else (0,), dtype=E8M0)))
+combine_backward_quantize_128.register_fake(lambda dy, w, yp, slot, top_k, scale_rule: (
+    *_row(yp), *_col(yp), yp.new_empty((yp.shape[0],), dtype=torch.float32)))
 dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dtype=torch.bfloat16))
 qdq_rowwise.register_fake(lambda x, scale_rule, tile32=False: _bf16(x))
 qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))

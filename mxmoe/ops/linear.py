@@ -118,97 +118,114 @@ class _MXGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend, *ws):
         # ws: the weight, or its parts along N (their concatenation is the weight; each gets its own dW)
-        w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=1)
-        ctx.splits = [p.shape[1] for p in ws]
-        rule, g = recipe.scale_rule, recipe.act_block
-        exp = _expansion(x, w, recipe, be)
-        grouped = exp is None and be.grouped_scales(recipe)
-        x_saved = x_wgrad
-        if x_mx is not None:  # (with x_wgrad too: x is only the autograd handle, see MXOperands)
-            xq = x_mx
-        elif grouped:  # scales in the sm_100 product's per-group blocked layout; wgrad's operand made below
-            xq = quantize_grouped(x.detach(), offs, rule, backend=be)
-        elif x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
-            xq = x.detach() if exp else quantize(x, -1, rule, g, backend=be)  # requantizing MX values: lossless
-        elif recipe.wgrad_mxfp8 and x.shape[0] % g == 0:  # fprop (along K) + wgrad (along tokens) operands
-            xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule, g, be)
-        else:
-            xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, -1, rule, g, backend=be)
-        tile32 = recipe.weight_block == BLOCK
-        if exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
-            wq, w_dgrad = exp.qdq_rowwise(w.detach(), rule, tile32), None
-        elif exp is not None:
-            # Weights along K as BF16 values (fprop) + FP8 along N kept for dgrad (for 32x32 tiles the
-            # same values; the transposed copy keeps dgrad's operand layout). Bytes per weight element
-            # (estimate; fp32 parameters): saving FP8 moves 1 (extra write) + 1 + 2 (expansion in
-            # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
-            # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
-            wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
-        elif recipe.weight_block > 1 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
-            wq, w_dgrad = quantize_weight_both(w, recipe, be)
-        else:
-            wq = quantize_weight(w, recipe, -1, be, blocked=be.blocked_weight_scales(recipe))  # [E, N, K] along K
-            w_dgrad = None
-        y = _product(xq, wq.mT, offs, x.dtype, be)
-        # backward operands, quantized now so FP8 (not BF16) is what is kept
-        if x_saved is None:
-            x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g, backend=be) if recipe.wgrad_mxfp8
-                       else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
-        ctx.recipe, ctx.expansion, ctx.grouped, ctx.be = recipe, exp is not None, grouped, be
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
-        # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
-        xs, ctx.x_meta = pack(x_saved)
-        ws, ctx.w_meta = pack(w_dgrad)
-        ctx.n_x = len(xs)
-        ctx.save_for_backward(offs, w if w_dgrad is None else None, *xs, *ws)
+        y, saved = linear_forward(ctx, x, offs, recipe, x_mx, x_wgrad, be, ws)
+        ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        recipe, rule, g, be = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block, ctx.be
-        offs, w, *rest = ctx.saved_tensors
-        x_saved, w_dgrad = unpack(rest[:ctx.n_x], ctx.x_meta), unpack(rest[ctx.n_x:], ctx.w_meta)
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
-        dx, dws = None, [None] * len(ctx.splits)
-        dyq = dyq_t = None  # dy along N (dgrad), along tokens as [N, M] (wgrad)
-        if ctx.expansion:
-            from mxmoe.kernels import dispatch
-
-            if need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
-                dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
-            elif need_dx:
-                dyq = dispatch.qdq_rowwise(dy, rule)
-        elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % g == 0 and not ctx.grouped:
-            dyq, dyq_t = quantize_dual(dy, rule, g, be)  # FP8 along N (dgrad) and along tokens (wgrad): one read
-            dyq_t = dyq_t.mT
-        if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
-            if dyq is None:
-                dyq = (quantize_grouped(dy, offs, rule, backend=be) if ctx.grouped
-                       else quantize(dy, -1, rule, g, backend=be))
-            wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion, be)
-            dx = _product(dyq, wq_n, offs, ctx.x_dtype, be)
-            dyq = wq_n = None  # dgrad's operands freed before wgrad's are made (peak memory)
-        if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
-            if recipe.wgrad_mxfp8:
-                if dyq_t is None:
-                    dyq_t = quantize(_pad_rows(dy, g), 0, rule, g, backend=be).mT  # [N, M] along tokens
-                # the expansion route's torch._grouped_mm writes BF16: dW is that BF16 product (as the bf16
-                # recipe's), cast once its operands are freed (peak memory)
-                if ctx.expansion or (is_mx(x_saved) and be.gemm_route(True, dyq_t.block, x_saved.block) == "expansion"):
-                    from mxmoe.kernels import dispatch
-                    dw = _product(dyq_t, x_saved, offs, torch.bfloat16, be)
-                    dyq_t = None
-                    dws = [dispatch.bf16_to(d, ctx.w_dtype, be) for d in _parts(dw, ctx.splits, 1)]
-                elif is_mx(dyq_t) and dyq_t.grouped is None:  # one FP32 product per part: dW written in place
-                    dws = [_product(d, x_saved, offs, torch.float32, be) for d in _parts(dyq_t, ctx.splits, 0)]
-                else:
-                    dws = _parts(_product(dyq_t, x_saved, offs, torch.float32, be), ctx.splits, 1)
-            else:
-                dws = _parts(grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False, backend=be),
-                             ctx.splits, 1)
-            dws = [d.to(ctx.w_dtype) for d in dws]
+        dx, dws = linear_backward(ctx, ctx.saved_tensors, dy, ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:]))
         return dx, None, None, None, None, None, *dws
+
+
+def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws: tuple) -> tuple[torch.Tensor, list]:
+    """The MX expert product's forward inside an autograd Function's ``forward`` (:class:`_MXGroupedLinear`, and
+    the down projection fused with the combine, :mod:`mxmoe.ops.tokens`): ``(y, tensors to save)``; the
+    Function saves those first (with its own after them) and passes them to :func:`linear_backward`."""
+    w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=1)
+    ctx.splits = [p.shape[1] for p in ws]
+    rule, g = recipe.scale_rule, recipe.act_block
+    exp = _expansion(x, w, recipe, be)
+    grouped = exp is None and be.grouped_scales(recipe)
+    x_saved = x_wgrad
+    if x_mx is not None:  # (with x_wgrad too: x is only the autograd handle, see MXOperands)
+        xq = x_mx
+    elif grouped:  # scales in the sm_100 product's per-group blocked layout; wgrad's operand made below
+        xq = quantize_grouped(x.detach(), offs, rule, backend=be)
+    elif x_wgrad is not None:  # x: its own BF16 MX values along K already (see swiglu)
+        xq = x.detach() if exp else quantize(x, -1, rule, g, backend=be)  # requantizing MX values: lossless
+    elif recipe.wgrad_mxfp8 and x.shape[0] % g == 0:  # fprop (along K) + wgrad (along tokens) operands
+        xq, x_saved = exp.qdq_dual(x.detach(), rule) if exp else quantize_dual(x.detach(), rule, g, be)
+    else:
+        xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, -1, rule, g, backend=be)
+    tile32 = recipe.weight_block == BLOCK
+    if exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
+        wq, w_dgrad = exp.qdq_rowwise(w.detach(), rule, tile32), None
+    elif exp is not None:
+        # Weights along K as BF16 values (fprop) + FP8 along N kept for dgrad (for 32x32 tiles the
+        # same values; the transposed copy keeps dgrad's operand layout). Bytes per weight element
+        # (estimate; fp32 parameters): saving FP8 moves 1 (extra write) + 1 + 2 (expansion in
+        # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
+        # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
+        wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
+    elif recipe.weight_block > 1 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
+        wq, w_dgrad = quantize_weight_both(w, recipe, be)
+    else:
+        wq = quantize_weight(w, recipe, -1, be, blocked=be.blocked_weight_scales(recipe))  # [E, N, K] along K
+        w_dgrad = None
+    y = _product(xq, wq.mT, offs, x.dtype, be)
+    # backward operands, quantized now so FP8 (not BF16) is what is kept
+    if x_saved is None:
+        x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g, backend=be) if recipe.wgrad_mxfp8
+                   else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
+    ctx.recipe, ctx.expansion, ctx.grouped, ctx.be = recipe, exp is not None, grouped, be
+    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
+    # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
+    xs, ctx.x_meta = pack(x_saved)
+    wds, ctx.w_meta = pack(w_dgrad)
+    ctx.n_x = len(xs)
+    return y, [offs, w if w_dgrad is None else None, *xs, *wds]
+
+
+def linear_backward(ctx, saved, dy, need_dx: bool, need_dw: bool, dyq: MXTensor | None = None,
+                    dyq_t: MXTensor | None = None) -> tuple:
+    """dgrad and wgrad of :func:`linear_forward`'s product from ``saved`` (the tensors it returned): ``(dx, [dW
+    of each weight part])``. dy ``[M, N]``, or None with ``dyq`` (dy along N, ``[M, N]``) and ``dyq_t`` (dy along
+    tokens, ``[N, M]``) already quantized upstream (the combine's fused backward)."""
+    recipe, rule, g, be = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block, ctx.be
+    offs, w, *rest = saved
+    x_saved, w_dgrad = unpack(rest[:ctx.n_x], ctx.x_meta), unpack(rest[ctx.n_x:], ctx.w_meta)
+    dx, dws = None, [None] * len(ctx.splits)
+    if dy is None:
+        pass  # dyq / dyq_t given
+    elif ctx.expansion:
+        from mxmoe.kernels import dispatch
+
+        if need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % BLOCK == 0:
+            dyq, dyq_t = dispatch.qdq_dual_bf16(dy, rule)  # one read of dy
+        elif need_dx:
+            dyq = dispatch.qdq_rowwise(dy, rule)
+    elif need_dx and need_dw and recipe.wgrad_mxfp8 and dy.shape[0] % g == 0 and not ctx.grouped:
+        dyq, dyq_t = quantize_dual(dy, rule, g, be)  # FP8 along N (dgrad) and along tokens (wgrad): one read
+        dyq_t = dyq_t.mT
+    if need_dx:  # dgrad: dx[M,K] = dy[M,N] W[N,K], contraction over N
+        if dyq is None:
+            dyq = (quantize_grouped(dy, offs, rule, backend=be) if ctx.grouped
+                   else quantize(dy, -1, rule, g, backend=be))
+        wq_n = w_dgrad if w_dgrad is not None else _weight_along_n(w, recipe, ctx.expansion, be)
+        dx = _product(dyq, wq_n, offs, ctx.x_dtype, be)
+        dyq = wq_n = None  # dgrad's operands freed before wgrad's are made (peak memory)
+    if need_dw:  # wgrad: dW[e] = dy_e^T x_e, contraction over tokens
+        if recipe.wgrad_mxfp8:
+            if dyq_t is None:
+                dyq_t = quantize(_pad_rows(dy, g), 0, rule, g, backend=be).mT  # [N, M] along tokens
+            # the expansion route's torch._grouped_mm writes BF16: dW is that BF16 product (as the bf16
+            # recipe's), cast once its operands are freed (peak memory)
+            if ctx.expansion or (is_mx(x_saved) and be.gemm_route(True, dyq_t.block, x_saved.block) == "expansion"):
+                from mxmoe.kernels import dispatch
+                dw = _product(dyq_t, x_saved, offs, torch.bfloat16, be)
+                dyq_t = None
+                dws = [dispatch.bf16_to(d, ctx.w_dtype, be) for d in _parts(dw, ctx.splits, 1)]
+            elif is_mx(dyq_t) and dyq_t.grouped is None:  # one FP32 product per part: dW written in place
+                dws = [_product(d, x_saved, offs, torch.float32, be) for d in _parts(dyq_t, ctx.splits, 0)]
+            else:
+                dws = _parts(_product(dyq_t, x_saved, offs, torch.float32, be), ctx.splits, 1)
+        else:
+            dws = _parts(grouped_mm(dy.to(x_saved.dtype).t(), x_saved, offs, _validate=False, backend=be),
+                         ctx.splits, 1)
+        dws = [d.to(ctx.w_dtype) for d in dws]
+    return dx, dws
 
 
 def _parts(t, splits: list[int], dim: int) -> list:

@@ -1,5 +1,6 @@
 """Token movement around the experts: the permutation into the expert-ordered buffer (with its
-fused quantization for the first product) and the weighted top-k combine back to token order."""
+fused quantization for the first product) and the weighted top-k combine back to token order (with, for the
+last product, its backward fused with that product's dy quantization)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from torch.autograd.function import once_differentiable
 
 from mxmoe.backend import Backend, resolve
 from mxmoe.kernels.dispatch import layer_ops_for
-from mxmoe.ops.linear import MXOperands, fused_fp8, fused_qdq, grad_handle
+from mxmoe.formats import MXTensor
+from mxmoe.ops.linear import (MXOperands, fused_fp8, fused_qdq, grad_handle, grouped_linear, linear_backward,
+                              linear_forward)
 from mxmoe.recipes import Recipe, get_recipe
 
 
@@ -171,6 +174,67 @@ class _Combine(torch.autograd.Function):
         yp, slot_rows, w = ctx.saved_tensors
         dyp, dw = ctx.ops.combine_backward(dy, w, yp, row_slots(slot_rows, yp.shape[0]), ctx.top_k)
         return dyp, None, dw.view(-1, ctx.top_k).to(ctx.w_dtype), None, None
+
+
+class _MXLinearCombine(torch.autograd.Function):
+    """The last expert product and the top-k combine as one Function (``mxfp8_128`` on sm_90): forward the MX
+    product (:func:`~mxmoe.ops.linear.linear_forward`), then the combine's gather-sum kernel; backward one kernel
+    for the combine's backward and dy's dual FP8 quantization (the BF16 expert-row gradient is never written),
+    then the product's dgrad and wgrad on those operands (:func:`~mxmoe.ops.linear.linear_backward`). Saved: the
+    product's tensors, and yp, slot_rows, the FP32 weights (the combine's)."""
+
+    @staticmethod
+    def forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, slot_rows, weights, top_k: int, w):
+        yp, saved = linear_forward(ctx, x, offs, recipe, x_mx, x_wgrad, be, (w,))
+        wf = weights.reshape(-1).to(torch.float32).contiguous()
+        ctx.n_linear, ctx.top_k, ctx.weights_dtype = len(saved), top_k, weights.dtype
+        ctx.save_for_backward(*saved, yp, slot_rows, wf)
+        ops = layer_ops_for(yp, be)
+        if ops is not None:
+            return ops.gather_sum(yp, slot_rows, top_k, wf)
+        return (yp[slot_rows].view(-1, top_k, yp.shape[1]).float() * wf.view(-1, top_k, 1)).sum(1).to(yp.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        from mxmoe.kernels import dispatch
+
+        saved = ctx.saved_tensors
+        yp, slot_rows, wf = saved[ctx.n_linear:]
+        dyq, dyq_rows, dw_rows = dispatch.combine_backward_quantize_128(
+            dy.contiguous(), wf, yp, row_slots(slot_rows, yp.shape[0]), ctx.top_k, ctx.recipe.scale_rule)
+        dx, (dw,) = linear_backward(ctx, saved[:ctx.n_linear], None, ctx.needs_input_grad[0],
+                                    ctx.needs_input_grad[9], dyq, dyq_rows.mT)
+        dweights = dw_rows[slot_rows].view(-1, ctx.top_k).to(ctx.weights_dtype)
+        return dx, None, None, None, None, None, None, dweights, None, dw
+
+
+def linear_combine(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, slot_rows: torch.Tensor,
+                   weights: torch.Tensor, recipe: "str | Recipe" = "bf16", x_mx: MXTensor | None = None,
+                   x_wgrad: MXTensor | None = None, *, backend: Backend | None = None) -> torch.Tensor:
+    """The experts' last product and the top-k combine: ``combine(grouped_linear(x, w, offs, recipe,
+    validate=False, x_mx=x_mx, x_wgrad=x_wgrad), slot_rows, weights, validate=False)``, ``[T, D]``, the same
+    values and gradients. Where the product takes the Hopper promote-per-128 route with the layer kernels on
+    (``mxfp8_128``, bf16 x, ``M % 128 == D % 128 == 0``) the backward runs the combine's backward fused with the
+    dual FP8 quantization of the product's dy (:func:`mxmoe.kernels.quantize_fused.combine_backward_quantize_128`),
+    so that BF16 ``[M, D]`` gradient is never written; ``MXMOE_FUSED_COMBINE=0`` (``backend.fused_combine`` off)
+    keeps the two apart.
+
+    Args:
+        x: ``[M, K]`` rows grouped by expert (offs), e.g. the SwiGLU output; ``x_mx`` / ``x_wgrad``: its MXFP8
+            copies (:func:`~mxmoe.ops.linear.grouped_linear`'s contract).
+        w: ``[E, D, K]``. offs: int32 ``[E]`` group ends. slot_rows: ``[T*top_k]`` int64, distinct rows of the
+            product's output. weights: ``[T, top_k]`` float router weights.
+    Unchecked (the layer's own call, as :func:`combine` with ``validate=False``): validate inputs through
+    :func:`~mxmoe.ops.linear.grouped_linear` and :func:`combine` where they come from elsewhere.
+    """
+    recipe = get_recipe(recipe)
+    be = backend or resolve(x.device)
+    D = w.shape[1]
+    if be.fused_combine and slot_rows.numel() and fused_fp8(x, x.shape[0], D, recipe, w, be):
+        return _MXLinearCombine.apply(x, offs, recipe, x_mx, x_wgrad, be, slot_rows, weights, weights.shape[1], w)
+    yp = grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx, x_wgrad=x_wgrad, backend=be)
+    return combine(yp, slot_rows, weights, validate=False, backend=be)
 
 
 def combine(yp: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, validate: bool = True, *,
