@@ -245,8 +245,8 @@ def test_gpu_moe_layer_128_matches_reference_path(recipe):
 def test_gpu_moe_fused_combine_equals_unfused(recipe, top_k, monkeypatch):
     """The layer with the down projection and the combine as one Function (the combine's backward fused with
     dy's dual FP8 quantization) against MXMOE_FUSED_COMBINE=0 (combine backward kernel, then quantize_dual_128):
-    output and the input and expert-weight gradients bit for bit, the router's gradient to FP32 summation
-    order; an empty expert, a token count off the 128-row tiles; checks the fused kernel ran only when on."""
+    output and the expert-weight gradients bit for bit; the input's and the router's gradient, which take the
+    router weights' gradient (FP32 sums in another order), to 1e-3 normwise; an empty expert, a token count off the 128-row tiles; checks the fused kernel ran only when on."""
     from mxmoe.kernels import dispatch
 
     calls = []
@@ -272,9 +272,13 @@ def test_gpu_moe_fused_combine_equals_unfused(recipe, top_k, monkeypatch):
     monkeypatch.setenv("MXMOE_FUSED_COMBINE", "0")
     old = run()
     assert len(calls) == 1
-    for a, b, what in zip(new[:4], old[:4], ("y", "dx", "dw13", "dw2")):
-        assert torch.isfinite(a).all() and torch.equal(a, b), f"{recipe} top_k={top_k} {what}"
-    torch.testing.assert_close(new[4], old[4], rtol=1e-4, atol=1e-6)
+    for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
+        assert torch.isfinite(a).all(), f"{recipe} top_k={top_k} {what}"
+        if what in ("dx", "drouter"):  # through the router weights' gradient: FP32 sums in another order
+            err = float((a.float() - b.float()).norm() / b.float().norm())
+            assert err <= 1e-3, f"{recipe} top_k={top_k} {what}: relative error {err:.2e}"
+        else:
+            assert torch.equal(a, b), f"{recipe} top_k={top_k} {what}"
 
 
 def test_128_recipe_keeps_swiglu_input_in_1x128_groups():
