@@ -30,8 +30,8 @@ from mxmoe.kernels.quantize_launch import _launch_gluon  # noqa: E402
 from mxmoe.moe import permute_plan  # noqa: E402
 from mxmoe.ops.tokens import row_slots  # noqa: E402
 
-TILES = {"8 warps (default)": dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=16),
-         "4 warps": dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16),
+TILES = {"8 warps (dual's tile)": dict(MB=4, BK=128, WM=1, WK=8, TM=4, RS=16),
+         "4 warps (the default)": dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16),
          "16 warps, 256 rows": dict(MB=8, BK=128, WM=2, WK=8, TM=4, RS=16)}
 
 

@@ -14,7 +14,7 @@ from mxmoe.formats import BLOCK, ScaleRule
 from mxmoe.kernels.quantize_launch import (_G128, _check, _gluon, _interpreting, _launch_gluon, _launch_tiles, _rule,
                                            _use_gluon, triton_cdiv)
 from mxmoe.kernels.quantize_tile_config import (_GLUON_TILES_SWIGLU, _GLUON_VEC, _SWIGLU_TMA_STAGES, _config_128_fused,
-                                                _config_qdq, _config_swiglu, _gluon_tile)
+                                                _GLUON_TILE_COMBINE, _config_qdq, _config_swiglu)
 
 
 def _kernels():
@@ -251,7 +251,7 @@ def combine_backward_quantize_128(dy: torch.Tensor, w: torch.Tensor, yp: torch.T
     srow = torch.empty(M, D // BLOCK, dtype=torch.uint8, device=dev)
     qc = torch.empty(D, M, dtype=torch.uint8, device=dev)
     sc = torch.empty(D, M // BLOCK, dtype=torch.uint8, device=dev)
-    tile = _gluon_tile(1, dy[None])
+    tile = _GLUON_TILE_COMBINE
     dwp = torch.empty(triton_cdiv(D, tile["BK"]), M, dtype=torch.float32, device=dev)
     _launch_gluon(dy[None], qc, sc, rows, srow, M, D, _rule(scale_rule), row=1, col=1, layout=0, group=_G128,
                   shape=(1, M, D), tile=tile,

@@ -113,6 +113,12 @@ _GLUON_TILES_SWIGLU = {
 }
 
 
+# Gluon tile of the combine-backward input mode (combine_backward_quantize_128): dual's 128x128 tile on 4 warps. At
+# the layer's Qwen3 / DeepSeek-V3-16B shapes (H200, 2026-12-04, benchmarks/tools/bench_combine_backward.py) it took
+# 0.621 / 0.454 ms against 0.704 / 0.516 ms on dual's 8 warps and 0.780 / 0.574 ms on 16 warps over 256 rows.
+_GLUON_TILE_COMBINE = dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16)
+
+
 # Elements per thread per load in the Gluon kernel, every input dtype: 8 (16 bytes for 16-bit input; two
 # 16-byte loads for FP32, so a 1x32 row block spans 4 lanes as for BF16); for FP32 it is faster than 4
 # (docs/quantization.md).
