@@ -25,8 +25,8 @@ from mxmoe.backend import Backend, autocast_dtype, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
 from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits, swiglu
-from mxmoe.ops.tokens import linear_combine
 from mxmoe.ops.linear import check_high_precision, prequantized_operands
+from mxmoe.ops.tokens import linear_combine
 from mxmoe.recipes import Recipe, get_recipe
 
 

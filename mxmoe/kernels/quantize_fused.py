@@ -2,8 +2,9 @@
 ``swiglu_quantize_128``: the down-projection's input) and the token permutation fused with the dual quantization of
 the gathered rows (``permute_qdq``, ``permute_quantize_128``: the first expert product's input), and the top-k
 combine's backward fused with the dual quantization of its expert-row gradient (``combine_backward_quantize_128``:
-the down projection's dy); no intermediate is written. The Triton bodies are :mod:`mxmoe.kernels.quantize_fused_triton` (imported on first use);
-on sm_90 the 1x128 forms take the Gluon kernels of :mod:`mxmoe.kernels.quantize_gluon`.
+the down projection's dy); no intermediate is written. The Triton bodies are
+:mod:`mxmoe.kernels.quantize_fused_triton` (imported on first use); on sm_90 the 1x128 forms take the Gluon kernels
+of :mod:`mxmoe.kernels.quantize_gluon`.
 """
 
 from __future__ import annotations

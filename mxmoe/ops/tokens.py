@@ -8,8 +8,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mxmoe.backend import Backend, resolve
-from mxmoe.kernels.dispatch import layer_ops_for
 from mxmoe.formats import MXTensor
+from mxmoe.kernels.dispatch import layer_ops_for
 from mxmoe.ops.linear import (MXOperands, fused_fp8, fused_qdq, grad_handle, grouped_linear, linear_backward,
                               linear_forward)
 from mxmoe.recipes import Recipe, get_recipe
