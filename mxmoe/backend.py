@@ -12,11 +12,14 @@ environment switches:
 ``MXMOE_FUSED_PERMUTE``     ``0``: no fused permutation + quantize-dequantize on the expansion route
 ``MXMOE_FUSED_COMBINE``     ``0``: the top-k combine's backward and dy's dual FP8 quantization as two kernels
                             (``mxfp8_128`` on sm_90), not one
+``MXMOE_FUSED_SWIGLU_BWD``  ``1``: the up projection and SwiGLU as one autograd Function whose backward runs
+                            SwiGLU's gradient fused with dh's dual FP8 quantization (``mxfp8_128`` on sm_90);
+                            off by default (every other value) until its GPU A/B is in the results
 ``MXMOE_QUANT_GLUON``       ``0``: the Triton columnwise quantization kernels instead of the Gluon ones (sm_90)
 ``TRITON_INTERPRET``        ``1``: Triton's interpreter (kernels on CPU tensors; tests only)
 ==========================  =========================================================================
 
-Switches act on CUDA only and are off only for the exact value ``0``. A layer resolves its backend
+Switches act on CUDA only and are off only for the exact value ``0`` (``MXMOE_FUSED_SWIGLU_BWD``: on only for ``1``). A layer resolves its backend
 once per forward (:func:`resolve`, cached per device and switch values) and hands it to every op it
 calls; autograd functions keep the forward's backend for their backward, so both see the same routes.
 ``python -m mxmoe info`` prints the routes of every recipe on this machine (:func:`describe`).
@@ -100,6 +103,7 @@ class Backend:
         fused_permute: the fused permutation + quantize-dequantize kernel on the expansion route.
         quant_gluon: the Gluon columnwise quantization kernels (sm_90).
         fused_combine: the combine's backward fused with the down projection's dy quantization (``mxfp8_128``).
+        fused_swiglu_bwd: SwiGLU's backward fused with the up projection's dy quantization (``mxfp8_128``).
     """
 
     device: str
@@ -110,6 +114,7 @@ class Backend:
     fused_permute: bool = False
     quant_gluon: bool = False
     fused_combine: bool = False
+    fused_swiglu_bwd: bool = False
 
     def gemm_route(self, k_grouped: bool, a_block: tuple[int, int], b_block: tuple[int, int]) -> str:
         """The route of an MX grouped product (see the module's route list): M-grouped (fprop,
@@ -167,7 +172,7 @@ class Backend:
 
 @functools.lru_cache(maxsize=64)
 def _resolve(device: str, index: int, sm90_gemm: str, layer_kernels: bool, fused_permute: bool,
-             quant_gluon: bool, interp: bool, fused_combine: bool = True) -> Backend:
+             quant_gluon: bool, interp: bool, fused_combine: bool = True, fused_swiglu_bwd: bool = False) -> Backend:
     if device != "cuda":  # (Triton's interpreter runs the kernels on CPU tensors: tests call them directly)
         return Backend("cpu" if device == "cpu" else device, "cpu", interp and triton_available(), sm90_gemm)
     major, minor = capability(index)
@@ -175,7 +180,7 @@ def _resolve(device: str, index: int, sm90_gemm: str, layer_kernels: bool, fused
     kernels = triton_available()
     return Backend(f"cuda:{index}", arch, kernels, sm90_gemm, kernels and layer_kernels,
                    kernels and fused_permute, kernels and arch == "sm90" and quant_gluon and not interp,
-                   kernels and layer_kernels and fused_combine)
+                   kernels and layer_kernels and fused_combine, kernels and layer_kernels and fused_swiglu_bwd)
 
 
 def resolve(device: "torch.device | str") -> Backend:
@@ -190,7 +195,7 @@ def resolve(device: "torch.device | str") -> Backend:
     fn = _resolve.__wrapped__ if torch.compiler.is_compiling() else _resolve
     return fn(device.type, index, _sm90_gemm_choice(), _switch_on("MXMOE_LAYER_KERNELS"),
               _switch_on("MXMOE_FUSED_PERMUTE"), _switch_on("MXMOE_QUANT_GLUON"), interpreting(),
-              _switch_on("MXMOE_FUSED_COMBINE"))
+              _switch_on("MXMOE_FUSED_COMBINE"), os.environ.get("MXMOE_FUSED_SWIGLU_BWD", "0") == "1")
 
 
 def describe(device: "torch.device | str | None" = None) -> str:

@@ -24,7 +24,8 @@ from torch import nn
 from mxmoe.backend import Backend, autocast_dtype, resolve
 from mxmoe.formats import MXTensor
 from mxmoe.layouts import padded_groups, padded_rows
-from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits, swiglu
+from mxmoe.ops import combine, grouped_linear, permute_tokens, router_logits
+from mxmoe.ops.activation import linear_swiglu
 from mxmoe.ops.linear import check_high_precision, prequantized_operands
 from mxmoe.ops.tokens import linear_combine
 from mxmoe.recipes import Recipe, get_recipe
@@ -192,9 +193,8 @@ class MoE(nn.Module):
         the tokens' output ``[T, D]`` instead: the layer's own top-k combine as one op with the down
         projection (:func:`mxmoe.ops.tokens.linear_combine`, which fuses their backward kernels)."""
         be = backend or resolve(xp.device)
-        h = grouped_linear(xp, self.w13, offs, self.recipe, validate=False, **prequantized_operands(x_mx),
-                           backend=be)  # [M, 2F]
-        a, a_mx = swiglu(h, self.recipe, self.w2, backend=be)  # fused with a's quantization where the route allows
+        # h [M, 2F] = xp w13^T, then a = SwiGLU(h), fused with a's quantization where the route allows
+        a, a_mx = linear_swiglu(xp, self.w13, offs, self.recipe, self.w2, **prequantized_operands(x_mx), backend=be)
         if r is not None:
             return linear_combine(a, self.w2, offs, r.slot_rows, r.weights, self.recipe, **prequantized_operands(a_mx),
                                   backend=be)  # [T, D]

@@ -50,6 +50,25 @@ def test_switches_are_read_by_resolve(monkeypatch):
         resolve("cpu")
 
 
+def test_fused_kernel_switches_on_sm90(monkeypatch):
+    """On an sm_90 GPU (capability stubbed) the fused combine backward is on unless MXMOE_FUSED_COMBINE=0, and
+    the fused SwiGLU backward is opt-in: on for MXMOE_FUSED_SWIGLU_BWD=1 alone."""
+    monkeypatch.setattr(backend, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    backend._resolve.cache_clear()
+    try:
+        for env, combine, swiglu_bwd in (({}, True, False), ({"MXMOE_FUSED_SWIGLU_BWD": "1"}, True, True),
+                                         ({"MXMOE_FUSED_SWIGLU_BWD": "yes", "MXMOE_FUSED_COMBINE": "0"}, False, False)):
+            for name in ("MXMOE_FUSED_SWIGLU_BWD", "MXMOE_FUSED_COMBINE"):
+                monkeypatch.delenv(name, raising=False)
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            be = resolve("cuda:0")
+            assert be.arch == "sm90" and (be.fused_combine, be.fused_swiglu_bwd) == (combine, swiglu_bwd), env
+    finally:
+        backend._resolve.cache_clear()
+
+
 def test_dispatch_sends_128_operands_to_the_promote_per_128_kernel(monkeypatch):
     """On sm_90, 1x128 x 128x128 (M-grouped) and 128x1 x 128x1 (K-grouped) operands go to the mx128
     ops whatever MXMOE_SM90_GEMM says; 1x32 operands keep their route (kernels stubbed, CPU)."""

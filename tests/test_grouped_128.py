@@ -185,6 +185,26 @@ def test_fused_fp8_route_plumbing_matches_unfused(monkeypatch):
         else:
             assert torch.equal(g, w), name
 
+    # and the up projection + SwiGLU as one Function, its backward's dh quantized by the fused kernel
+    def swiglu_backward_q(da, h, h_scale, rule):
+        used.append("swiglu backward")
+        assert h_scale is None  # (mxfp8_128 keeps h in BF16)
+        gate, up = h.split(h.shape[1] // 2, -1)
+        dh = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * torch.nn.functional.silu(gate)], -1)
+        return dual(dh, rule)
+
+    monkeypatch.setattr(torch_ops.EAGER, "swiglu_backward_quantize_128", swiglu_backward_q)
+    monkeypatch.setattr(moe_module, "resolve", lambda device: Backend("cpu", "cpu", False, fused_permute=True,
+                                                                      fused_combine=True, fused_swiglu_bwd=True))
+    used.clear()
+    got = run()
+    assert used == ["permute", "swiglu", "combine", "swiglu backward"]
+    for g, w, name in zip(got, want, names):
+        if name == "router.weight":
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(g, w), name
+
 
 @pytest.mark.gpu
 def test_gpu_grouped_linear_128_products_vs_fp64():
@@ -279,6 +299,45 @@ def test_gpu_moe_fused_combine_equals_unfused(recipe, top_k, monkeypatch):
             assert err <= 1e-3, f"{recipe} top_k={top_k} {what}: relative error {err:.2e}"
         else:
             assert torch.equal(a, b), f"{recipe} top_k={top_k} {what}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,top_k", [("mxfp8_128", 6), ("mxfp8_128_lowmem", 8)])
+def test_gpu_moe_fused_swiglu_backward_equals_unfused(recipe, top_k, monkeypatch):
+    """The layer with the up projection and SwiGLU as one Function (SwiGLU's backward fused with dh's dual FP8
+    quantization, MXMOE_FUSED_SWIGLU_BWD=1) against the default two kernels (SwiGLU backward, then
+    quantize_dual_128): output and every gradient bit for bit (the same BF16 dh, the same FP8 bytes), with h
+    kept in BF16 (mxfp8_128) and as MXFP8 (lowmem); an empty expert, tokens off the 128-row tiles; checks
+    the fused kernel ran only when on."""
+    from mxmoe.kernels import dispatch
+
+    calls = []
+    fused = dispatch.swiglu_backward_quantize_128
+    monkeypatch.setattr(dispatch, "swiglu_backward_quantize_128", lambda *a: calls.append(1) or fused(*a))
+    torch.manual_seed(0)
+    m = mxmoe.MoE(256, 384, 12, top_k, recipe=recipe).cuda()
+    with torch.no_grad():
+        m.router.weight[5] = -0.5  # x has a positive mean: expert 5 gets no token
+    x = (torch.randn(2, 333, 256, device="cuda") + 3.0).to(torch.bfloat16)
+    assert int(m.route(x.view(-1, 256)).counts[5]) == 0
+    dy = torch.randn(2, 333, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        xx = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = m(xx)
+        y.backward(dy)
+        return [t.detach().clone() for t in (y, xx.grad, m.w13.grad, m.w2.grad, m.router.weight.grad)]
+
+    monkeypatch.setenv("MXMOE_FUSED_SWIGLU_BWD", "1")
+    new = run()
+    assert len(calls) == 1
+    monkeypatch.setenv("MXMOE_FUSED_SWIGLU_BWD", "0")
+    old = run()
+    assert len(calls) == 1
+    for a, b, what in zip(new, old, ("y", "dx", "dw13", "dw2", "drouter")):
+        assert torch.isfinite(a).all(), f"{recipe} top_k={top_k} {what}"
+        assert torch.equal(a, b), f"{recipe} top_k={top_k} {what}: max diff {(a.float() - b.float()).abs().max()}"
 
 
 def test_128_recipe_keeps_swiglu_input_in_1x128_groups():

@@ -240,6 +240,47 @@ def _case_combine_backward_128(Q, dev, gen):
     assert not out[4].any()
 
 
+def _swiglu_dh(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dh [M, 2F] of a = F.silu(h[:, :F]) * h[:, F:] for da, on their device: torch's autograd there (on the GPU the
+    fused kernel must match it bit for bit), the layer kernel under the interpreter (whose soft math is within an
+    ulp of the CPU's torch; the fused kernel's fallback is that kernel)."""
+    if da.is_cuda:
+        import torch.nn.functional as F
+
+        hh = h.clone().requires_grad_()
+        gate, up = hh.split(h.shape[1] // 2, -1)
+        return torch.autograd.grad(F.silu(gate) * up, hh, da)[0]
+    from mxmoe.kernels import layer
+
+    return layer.swiglu_backward(da, h)
+
+
+def _case_swiglu_backward_128(Q, dev, gen):
+    """swiglu_backward_quantize_128 = quantize_dual_128 of SwiGLU's dh [M, 2F] (torch's BF16 autograd arithmetic),
+    from bf16 h and from h's MXFP8 copy along 2F (the gradient at its MX values); special and zero blocks in da."""
+    from mxmoe.kernels import quantize_fused as QF
+
+    for M, f in ((256, 256), (128, 384)):
+        h = (wide_randn((M, 2 * f), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
+        h[7, 3] = float("nan")  # a NaN gate: that row's 128-groups of dh go NaN both halves, as its column groups
+        da = special(wide_randn((M, f), torch.bfloat16, "cpu", gen), -1, -2)
+        for rule in RULES:
+            tag = f"swiglu backward {M}x{f} {rule}"
+            out = QF.swiglu_backward_quantize_128(da.to(dev), h.to(dev), None, rule)
+            assert len(out) == 4 and out[0].shape == (M, 2 * f) and out[2].shape == (2 * f, M), tag
+            check_dual(Q, _swiglu_dh(da.to(dev), h.to(dev)), rule, "row_major", tag, out=out)
+            hq = ref(h, -1, rule)  # h kept as MXFP8 in 1x128 groups (the lowmem recipe's save_h)
+            out = QF.swiglu_backward_quantize_128(da.to(dev), hq.data.to(dev), hq.scale.to(dev), rule)
+            check_dual(Q, _swiglu_dh(da.to(dev), hq.dequantize(torch.bfloat16).to(dev)), rule, "row_major",
+                       tag + " MXFP8 h", out=out)
+    wide = wide_randn((128, 512), torch.bfloat16, "cpu", gen)
+    da = wide[:, 128:256]  # a column slice of a wider tensor: row stride 512
+    h = (wide_randn((128, 256), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16)
+    out = QF.swiglu_backward_quantize_128(da.to(dev), h.to(dev))
+    check_dual(Q, _swiglu_dh(da.to(dev).contiguous(), h.to(dev)), "rceil", "row_major", "swiglu backward strided da",
+               out=out)
+
+
 def _case_swiglu_128(Q, dev, gen):
     """swiglu_quantize_128 = quantize_dual_128 of F.silu(gate) * up (torch's BF16 math), h's rows 1x128."""
     import torch.nn.functional as F
@@ -297,6 +338,7 @@ CASES = {
     "permute_128": _case_permute_128,
     "swiglu_128": _case_swiglu_128,
     "combine_backward_128": _case_combine_backward_128,
+    "swiglu_backward_128": _case_swiglu_backward_128,
     "random_shapes_128": _case_random_shapes,
 }
 
@@ -347,6 +389,17 @@ def test_input_errors():
         QF.swiglu_quantize_128(torch.randn(96, 256, **meta).to(torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
         QF.swiglu_quantize_128(torch.randn(128, 256, **meta))
+    da, h = torch.randn(128, 128, **meta).to(torch.bfloat16), torch.randn(128, 256, **meta).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 da"):
+        QF.swiglu_backward_quantize_128(da.float(), h)
+    with pytest.raises(TypeError, match="float8_e4m3fn h"):
+        QF.swiglu_backward_quantize_128(da, h, torch.zeros(128, 8, **meta).to(torch.float8_e8m0fnu))
+    with pytest.raises(ValueError, match=r"h \[M, 2F\]"):
+        QF.swiglu_backward_quantize_128(da, h[:, :192])
+    with pytest.raises(ValueError, match="h_scale"):
+        QF.swiglu_backward_quantize_128(da, h.to(torch.float8_e4m3fn), torch.zeros(128, 4, **meta).to(torch.float8_e8m0fnu))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        QF.swiglu_backward_quantize_128(da[:96], h[:96])
 
 
 def test_tile_configs_fit_the_groups():
@@ -549,6 +602,18 @@ def test_gpu_real_shapes(dtype):
         check_dual(Q, dyp, rule, "row_major", "combine backward", out=out[:4])
         err = ((out[4].cpu().double() - prod.sum(1)).abs() / (prod.abs().sum(1) + 1e-30)).max()
         assert err <= 1e-5, f"combine backward weight gradient off by {err:.3e} (relative to sum |dy * yp|)"
+    # SwiGLU's backward fused with dh's dual quantization at Qwen3-30B-A3B's expert width (F 768): h in BF16
+    # and as its MXFP8 copy in 1x128 groups (the lowmem recipe)
+    M, f = 4096, 768
+    h = (wide_randn((M, 2 * f), torch.float32, "cpu", gen) * 2.0**-6).to(torch.bfloat16).cuda()
+    da = special(wide_randn((M, f), torch.bfloat16, "cpu", gen), -1).cuda()
+    for rule in RULES:
+        out = QF.swiglu_backward_quantize_128(da, h, None, rule)
+        check_dual(Q, _swiglu_dh(da, h), rule, "row_major", "swiglu backward", out=out)
+        hq = ref(h.cpu(), -1, rule)
+        out = QF.swiglu_backward_quantize_128(da, hq.data.cuda(), hq.scale.cuda(), rule)
+        check_dual(Q, _swiglu_dh(da, hq.dequantize(torch.bfloat16).cuda()), rule, "row_major",
+                   "swiglu backward, MXFP8 h", out=out)
 
 
 @pytest.mark.gpu
@@ -583,6 +648,13 @@ def test_gpu_gluon_equals_triton(monkeypatch):
         for save_h in (False, True):
             both(QF.swiglu_quantize_128, h, rule, save_h, tag=f"{rule} save_h={save_h}")
             both(QF.swiglu_quantize_128, h[:, 256:768], rule, save_h, tag=f"{rule} save_h={save_h} column slice")
+    # SwiGLU's backward + dh's dual quantization: the fused kernel against layer.swiglu_backward + quantize_dual_128
+    da = special(wide_randn((384, 512), torch.bfloat16, "cpu", gen), -1).cuda()
+    for rule in RULES:
+        both(QF.swiglu_backward_quantize_128, da, h, None, rule, tag=f"{rule}")
+        both(QF.swiglu_backward_quantize_128, da[:, 128:384], h[:, 256:768], None, rule, tag=f"{rule} column slice")
+        hq = ref(h.cpu(), -1, rule)
+        both(QF.swiglu_backward_quantize_128, da, hq.data.cuda(), hq.scale.cuda(), rule, tag=f"{rule} MXFP8 h")
     # the TMA-fed SwiGLU kernel against the register-fed one (same tile, same math): the same bytes
     for hin in (h, h[:, 256:768], h[:128]):
         for rule in RULES:

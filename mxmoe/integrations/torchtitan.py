@@ -77,7 +77,8 @@ except ImportError as e:  # torchtitan absent, or a release without these seams
                       f"'.[torchtitan]'); importing it failed: {e}") from e
 
 from mxmoe.moe import permute_plan
-from mxmoe.ops import grouped_linear, permute_tokens, swiglu, unpermute
+from mxmoe.ops import grouped_linear, permute_tokens, unpermute
+from mxmoe.ops.activation import linear_swiglu
 from mxmoe.ops.linear import prequantized_operands
 from mxmoe.recipes import Recipe, get_recipe
 
@@ -193,8 +194,7 @@ def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool, x_mx
         return grouped_linear(h, w2, offs, rec, validate=v)
     # one product with cat(w1, w3) [E, 2F, D] (gate rows [:F], up rows [F:], mxmoe.MoE's w13), each part's
     # dW its own wgrad output: no copy of a concatenated gradient into w1.grad / w3.grad
-    h = grouped_linear(x, (w1, w3), offs, rec, validate=v_x, **pre)  # [R, 2F]
-    a, a_mx = swiglu(h, rec, w2)  # fused with a's quantization where the route allows
+    a, a_mx = linear_swiglu(x, (w1, w3), offs, rec, w2, validate=v_x, **pre)  # a = SwiGLU(h [R, 2F]), quantized
     return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **prequantized_operands(a_mx))
 
 

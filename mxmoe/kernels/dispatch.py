@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.backend import Backend
+from mxmoe.formats import MXTensor
 
 
 def _ops():
@@ -134,6 +135,18 @@ def combine_backward_quantize_128(dy: torch.Tensor, w: torch.Tensor, yp: torch.T
     data, scale, data_t, scale_t, dw_rows = _ops().combine_backward_quantize_128(dy, w, yp, slot, top_k, scale_rule)
     g = (1, 128)
     return q.rowwise_mxtensor(data, scale, scale_rule, g), q.columnwise_mxtensor(data_t, scale_t, scale_rule, g), dw_rows
+
+
+def swiglu_backward_quantize_128(da: torch.Tensor, h: "torch.Tensor | MXTensor", scale_rule: str):
+    """SwiGLU's backward fused with the dual 1x128 / 128x1 quantization of dh ``[M, 2F]`` (never written), from
+    ``da [M, F]`` and h (bf16, or an MXTensor along 2F: the gradient at its MX values): ``(dh along 2F, dh along
+    rows)`` as MXTensors ``[M, 2F]`` (:func:`mxmoe.kernels.quantize_fused.swiglu_backward_quantize_128`)."""
+    from mxmoe.kernels import quantize as q
+
+    hd, hs = (h.data, h.scale) if isinstance(h, MXTensor) else (h, None)
+    data, scale, data_t, scale_t = _ops().swiglu_backward_quantize_128(da, hd, hs, scale_rule)
+    g = (1, 128)
+    return q.rowwise_mxtensor(data, scale, scale_rule, g), q.columnwise_mxtensor(data_t, scale_t, scale_rule, g)
 
 
 def swiglu_quantize_128(h: torch.Tensor, scale_rule: str, save_h: bool):

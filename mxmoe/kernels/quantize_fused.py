@@ -2,7 +2,8 @@
 ``swiglu_quantize_128``: the down-projection's input) and the token permutation fused with the dual quantization of
 the gathered rows (``permute_qdq``, ``permute_quantize_128``: the first expert product's input), and the top-k
 combine's backward fused with the dual quantization of its expert-row gradient (``combine_backward_quantize_128``:
-the down projection's dy); no intermediate is written. The Triton bodies are
+the down projection's dy), and SwiGLU's backward fused with the dual quantization of dh
+(``swiglu_backward_quantize_128``: the up projection's dy); no intermediate is written. The Triton bodies are
 :mod:`mxmoe.kernels.quantize_fused_triton` (imported on first use); on sm_90 the 1x128 forms take the Gluon kernels
 of :mod:`mxmoe.kernels.quantize_gluon`.
 """
@@ -14,8 +15,9 @@ import torch
 from mxmoe.formats import BLOCK, ScaleRule
 from mxmoe.kernels.quantize_launch import (_G128, _check, _gluon, _interpreting, _launch_gluon, _launch_tiles, _rule,
                                            _use_gluon, triton_cdiv)
-from mxmoe.kernels.quantize_tile_config import (_GLUON_TILES_SWIGLU, _GLUON_VEC, _SWIGLU_TMA_STAGES, _config_128_fused,
-                                                _GLUON_TILE_COMBINE, _config_qdq, _config_swiglu)
+from mxmoe.kernels.quantize_tile_config import (_GLUON_TILE_COMBINE, _GLUON_TILE_SWIGLU_BACKWARD, _GLUON_TILES_SWIGLU,
+                                                _GLUON_VEC, _SWIGLU_TMA_STAGES, _config_128_fused, _config_qdq,
+                                                _config_swiglu)
 
 
 def _kernels():
@@ -260,3 +262,55 @@ def combine_backward_quantize_128(dy: torch.Tensor, w: torch.Tensor, yp: torch.T
                              dwp_ptr=dwp, TOP_K=top_k))
     return (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu), qc.view(torch.float8_e4m3fn),
             sc.view(torch.float8_e8m0fnu), dwp.sum(0))
+
+
+def swiglu_backward_quantize_128(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | None = None,
+                                 scale_rule: ScaleRule | str = "rceil"):
+    """SwiGLU's backward ``dh [M, 2F]`` of ``a = F.silu(h[:, :F]) * h[:, F:]`` from ``da [M, F]`` (torch autograd's
+    BF16 arithmetic: :func:`mxmoe.kernels.layer.swiglu_backward`), fused with dh's dual 1x128 / 128x1 quantization;
+    dh is never written: the recipe ``mxfp8_128``'s up-projection dy, FP8 both ways (dgrad rows, wgrad columns).
+
+    Args:
+        da: ``[M, F]`` bfloat16, CUDA, unit stride along F, ``M % 128 == F % 128 == 0``.
+        h: ``[M, 2F]``, SwiGLU's input: bfloat16, or with ``h_scale`` its MXFP8 copy along 2F (float8_e4m3fn
+            data, the gradient then taken at its BF16 MX values).
+        h_scale: ``[M, 2F/32]`` float8_e8m0fnu, h's row-major scales (one per 32 elements; 1x128 groups store
+            each group's scale 4 times), or None.
+    Returns:
+        ``(data, scale, data_t, scale_t)``: :func:`quantize_dual_128` of dh, bit for bit (``data`` e4m3
+        ``[M, 2F]``, ``scale`` e8m0 ``[M, 2F/32]``, ``data_t`` ``[2F, M]``, ``scale_t`` ``[2F, M/32]``).
+    Raises:
+        TypeError: da not bfloat16, h not bfloat16 (or, with h_scale, not float8_e4m3fn).
+        ValueError: bad shapes, CPU tensors.
+    On sm_90 with the Gluon kernels one pass (mx_quantize_cols_kernel's IN_MODE 4); elsewhere the layer's
+    SwiGLU-backward kernel, then :func:`quantize_dual_128` (the same values).
+    """
+    name = "swiglu_backward_quantize_128"
+    h_fp8 = h_scale is not None
+    want_h = torch.float8_e4m3fn if h_fp8 else torch.bfloat16
+    if da.dtype != torch.bfloat16 or h.dtype != want_h:
+        raise TypeError(f"{name} expects bfloat16 da and {want_h} h, got {da.dtype} and {h.dtype}")
+    if da.dim() != 2 or h.dim() != 2 or h.shape != (da.shape[0], 2 * da.shape[1]):
+        raise ValueError(f"{name} expects da [M, F] and h [M, 2F], got {tuple(da.shape)} and {tuple(h.shape)}")
+    if h_fp8 and tuple(h_scale.shape) != (h.shape[0], h.shape[1] // BLOCK):
+        raise ValueError(f"{name} expects h_scale [M, 2F/32] = {(h.shape[0], h.shape[1] // BLOCK)}, "
+                         f"got {tuple(h_scale.shape)}")
+    _check(da, name, need_k32=True, need_m32=True, group=_G128)
+    M, F = da.shape
+    if not (M and F and _use_gluon(da[None]) and F % _GLUON_TILE_SWIGLU_BACKWARD["BK"] == 0):
+        from mxmoe.kernels import layer
+        from mxmoe.kernels.quantize import quantize_dual_128
+
+        return tuple(quantize_dual_128(layer.swiglu_backward(da, h, h_scale), scale_rule))
+    dev = da.device
+    rows = torch.empty(M, 2 * F, dtype=torch.uint8, device=dev)
+    srow = torch.empty(M, 2 * F // BLOCK, dtype=torch.uint8, device=dev)
+    qc = torch.empty(2 * F, M, dtype=torch.uint8, device=dev)
+    sc = torch.empty(2 * F, M // BLOCK, dtype=torch.uint8, device=dev)
+    hq = h.contiguous().view(torch.uint8) if h_fp8 else h.contiguous()
+    hs = h_scale.contiguous().view(torch.uint8) if h_fp8 else hq  # (without scales the kernel does not read it)
+    _launch_gluon(da[None], qc, sc, rows, srow, M, 2 * F, _rule(scale_rule), row=1, col=1, layout=0, group=_G128,
+                  shape=(1, M, F), tile=_GLUON_TILE_SWIGLU_BACKWARD,
+                  fused=dict(IN_MODE=4, h_ptr=hq, hs_ptr=hs, H_FP8=h_fp8))
+    return (rows.view(torch.float8_e4m3fn), srow.view(torch.float8_e8m0fnu), qc.view(torch.float8_e4m3fn),
+            sc.view(torch.float8_e8m0fnu))

@@ -36,6 +36,7 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # The element math is shared with the Triton kernels (triton.jit helpers are callable from Gluon).
+from mxmoe.kernels.layer_triton import _swiglu_grads_bf16
 from mxmoe.kernels.quantize_fused_triton import _silu_mul_bf16
 from mxmoe.kernels.quantize_triton import (_e8m0_from_amax_bits, _k_fastest, _max4, _quantize_elems, _store_scales,
                                            _tile_coords, _to_f32)
@@ -144,7 +145,8 @@ def mx_quantize_cols_kernel(
     WM: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, TILE32: gl.constexpr, K_FAST: gl.constexpr = False,
     RS: gl.constexpr = 32, GROUP: gl.constexpr = 32,
     src_ptr=None, T=0, qh_ptr=None, sh_ptr=None, IN_MODE: gl.constexpr = 0, SAVE_H: gl.constexpr = False,
-    w_ptr=None, yp_ptr=None, dwp_ptr=None, TOP_K: gl.constexpr = 1,
+    w_ptr=None, yp_ptr=None, dwp_ptr=None, TOP_K: gl.constexpr = 1, h_ptr=None, hs_ptr=None,
+    H_FP8: gl.constexpr = False,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, K_FAST: k-tiles fastest; then b); WM*WK warps.
 
@@ -167,7 +169,13 @@ def mx_quantize_cols_kernel(
     combine's backward: x is dy [T, K], src [M] int32 the slot s = t*TOP_K + j of each row (-1: padding), and the
     tile is dyp[m] = w[s] * dy[s // TOP_K] (w [T*TOP_K] FP32; the FP32 product rounded to BF16, zero on padding
     rows: layer_triton.combine_backward_kernel's dyp), with each row's partial router-weight gradient
-    sum_k dy[t, k] * yp[m, k] over the tile's columns (FP32, yp [M, K] bf16 contiguous) stored to dwp [n_k, M].
+    sum_k dy[t, k] * yp[m, k] over the tile's columns (FP32, yp [M, K] bf16 contiguous) stored to dwp [n_k, M];
+    4, SwiGLU's backward: x is da [M, K] and h_ptr h [M, 2K] (contiguous; bf16, or H_FP8: E4M3 bytes with E8M0
+    scales hs [M, 2K/32] row-major, taken at their BF16 MX values); the tiles cover dh [M, 2K] (K_cover 2K), k-tile
+    2j + 0 / 1 being d_gate / d_up of da's columns j (dh[:, k] / dh[:, K + k]: layer_triton._swiglu_grads_bf16,
+    torch's autograd arithmetic; two programs per tile of da keep the registers of one output, the second's reads
+    hit L2), quantized both ways (ROW 1, COL 1, row-major scales): qr [M, 2K] + sr [M, 2K/32], qc [2K, M] + sc
+    [2K, M/32] (K % BK == 0).
     """
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
@@ -203,14 +211,43 @@ def mx_quantize_cols_kernel(
         x = (g * gl.load(w_ptr + slot, mask=live, other=0.0)).to(gl.bfloat16)
         yv = _to_f32(gl.load(yp_ptr + m.to(gl.int64) * K + k, mask=live & (k < K), other=0.0))
         gl.store(dwp_ptr + tk.to(gl.int64) * M + m, gl.expand_dims(gl.sum(g * yv, axis=2), 2), mask=m < M)
+    elif IN_MODE == 4:  # SwiGLU backward: one half of dh per program (k-tiles 2j, 2j+1: d_gate, d_up of columns j)
+        half = tk % 2
+        tk = tk // 2
+        m, k = _tile_index(tm, tk, MB, BK, L_IN)
+        live = (m < M) & (k < K)
+        da = gl.load(x_ptr + m.to(gl.int64) * stride_xm + k, mask=live, other=0.0)
+        gate = _h_half(h_ptr, hs_ptr, m, k, M, K, 0, live, H_FP8)
+        up = _h_half(h_ptr, hs_ptr, m, k, M, K, K, live & (half == 0), H_FP8)  # (d_up does not read up)
+        d_gate, d_up = _swiglu_grads_bf16(da, gate, up, False)
+        d = gl.where(half == 0, d_gate, d_up)
+        col = half * K  # this half's first column of dh
+        _rowwise(d, m, k, tm, tk, b, qr_ptr + col, sr_ptr + col // 32, M, 2 * K, 0, rceil, 1, 0, MB, BK, WM, WK, L_IN,
+                 False, GROUP)
+        _columnwise(d, tm, tk, b, qc_ptr + col.to(gl.int64) * M, sc_ptr + col.to(gl.int64) * (M // 32), M, K, 0,
+                    rceil, 1, 0, MB, BK, False, GROUP, L_COL)
     else:
         x = gl.load(x_ptr + b * stride_xb + m.to(gl.int64) * stride_xm + k, mask=(m < M) & (k < K), other=0.0)
 
-    if ROW != 0:
-        _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
-                 TILE32, GROUP)
+    if IN_MODE != 4:  # (mode 4 stored its two halves above)
+        if ROW != 0:
+            _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
+                     TILE32, GROUP)
+        _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL, LAYOUT, MB, BK, TILE32, GROUP, L_COL)
 
-    _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL, LAYOUT, MB, BK, TILE32, GROUP, L_COL)
+
+@gluon.jit
+def _h_half(h_ptr, hs_ptr, m, k, M, K, col0, live, H_FP8: gl.constexpr):
+    """SwiGLU's input h [M, 2K] (contiguous) at rows m [MB, 32, 1] and columns col0 + k [1, 1, BK], as BF16: loaded,
+    or with H_FP8 its E4M3 bytes expanded at their row-major E8M0 scales hs [M, 2K/32] (one scale per 32 columns)."""
+    off = m.to(gl.int64) * (2 * K) + col0 + k
+    if H_FP8:
+        q = gl.load(h_ptr + off, mask=live, other=0)
+        byte = gl.load(hs_ptr + m.to(gl.int64) * (2 * K // 32) + (col0 + k) // 32, mask=live, other=127)
+        v = _expand_bf16(q, byte.to(gl.int32))
+    else:
+        v = gl.load(h_ptr + off, mask=live, other=0.0)
+    return v
 
 
 @gluon.jit

@@ -118,6 +118,12 @@ _GLUON_TILES_SWIGLU = {
 # 0.621 / 0.454 ms against 0.704 / 0.516 ms on dual's 8 warps and 0.780 / 0.574 ms on 16 warps over 256 rows.
 _GLUON_TILE_COMBINE = dict(MB=4, BK=128, WM=1, WK=4, TM=4, RS=16)
 
+# Gluon tile of the SwiGLU-backward input mode (swiglu_backward_quantize_128; one half of dh per program): three input
+# tiles (da, gate, up) and the gradient math before the dual quantization. Offline sm_90 (Triton 3.6), bf16 / MXFP8 h:
+# this tile (save_h's) 127 / 128 registers and no spill, as (MB 4, WK 16, TM 4, RS 32); WK 16 / RS 16 spills 8 / 18
+# bytes, 8 warps 0 / 656-664 bytes, and both halves in one program 296-310 bytes at 16 warps. Not yet timed.
+_GLUON_TILE_SWIGLU_BACKWARD = dict(MB=4, BK=128, WM=2, WK=8, TM=2, RS=16)
+
 
 # Elements per thread per load in the Gluon kernel, every input dtype: 8 (16 bytes for 16-bit input; two
 # 16-byte loads for FP32, so a 1x32 row block spans 4 lanes as for BF16); for FP32 it is faster than 4

@@ -20,6 +20,8 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
                             + h quantized along 2F in 1x128 groups (data, scale) if save_h, else two empty tensors
 ``combine_backward_quantize_128``  (dy ``[T, D]``, w ``[T*k]``, yp ``[M, D]``, slot ``[M]`` int32, top_k, rule) ->
                             quantize_dual_128 of the combine's dyp + FP32 ``[M]`` router-weight gradient per row
+``swiglu_backward_quantize_128``  (da ``[M, F]`` bf16, h ``[M, 2F]`` bf16 or e4m3, h_scale e8m0 or None, rule) ->
+                            quantize_dual_128 of SwiGLU's dh ``[M, 2F]``
 ``dequantize_bf16``         (data ``[..., R, C]``, scale ``[..., R, C/32]``) -> bf16 ``[..., R, C]``
 ``qdq_rowwise``             (x ``[..., M, K]``, rule, tile32) -> bf16 ``[..., M, K]``: MX values along K
 ``qdq_dual``                x -> (bf16 ``[..., M, K]``, data_t ``[..., K, M]``, scale_t ``[..., K, M/32]``)
@@ -176,6 +178,14 @@ def combine_backward_quantize_128(dy: torch.Tensor, w: torch.Tensor, yp: torch.T
     from mxmoe.kernels import quantize_fused as q
 
     return tuple(q.combine_backward_quantize_128(dy, w, yp, slot, top_k, scale_rule))
+
+
+@_op
+def swiglu_backward_quantize_128(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | None,
+                                 scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mxmoe.kernels import quantize_fused as q
+
+    return tuple(q.swiglu_backward_quantize_128(da, h, h_scale, scale_rule))
 
 
 @_op
@@ -347,6 +357,7 @@ swiglu_quantize_128.register_fake(lambda h, scale_rule, save_h: (
     h.new_empty((h.shape[0], h.shape[1] // 32) if save_h else (0,), dtype=E8M0)))
 combine_backward_quantize_128.register_fake(lambda dy, w, yp, slot, top_k, scale_rule: (
     *_row(yp), *_col(yp), yp.new_empty((yp.shape[0],), dtype=torch.float32)))
+swiglu_backward_quantize_128.register_fake(lambda da, h, h_scale, scale_rule: (*_row(h), *_col(h)))
 dequantize_bf16.register_fake(lambda data, scale: data.new_empty(data.shape, dtype=torch.bfloat16))
 qdq_rowwise.register_fake(lambda x, scale_rule, tile32=False: _bf16(x))
 qdq_dual.register_fake(lambda x, scale_rule, tile32: (_bf16(x), *_col(x)))
