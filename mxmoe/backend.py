@@ -14,7 +14,8 @@ environment switches:
                             (``mxfp8_128`` on sm_90), not one
 ``MXMOE_FUSED_SWIGLU_BWD``  ``1``: the up projection and SwiGLU as one autograd Function whose backward runs
                             SwiGLU's gradient fused with dh's dual FP8 quantization (``mxfp8_128`` on sm_90);
-                            off by default (every other value) until its GPU A/B is in the results
+                            off by default (every other value): bit-identical, but slower than the two
+                            kernels at Qwen3-30B-A3B's shape (benchmarks/results/h100/swiglu_backward.json)
 ``MXMOE_QUANT_GLUON``       ``0``: the Triton columnwise quantization kernels instead of the Gluon ones (sm_90)
 ``TRITON_INTERPRET``        ``1``: Triton's interpreter (kernels on CPU tensors; tests only)
 ==========================  =========================================================================
