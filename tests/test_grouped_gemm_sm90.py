@@ -243,6 +243,23 @@ def test_m_grouped_deep_stages_match_fp64(case, weight_block, stages):
 
 @sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("weight_block", [1, 32])
+def test_m_grouped_vector_search_equals_binary_search(weight_block):
+    """The consumers' vector group search (default, up to 256 groups) against the binary search, byte for
+    byte: 150 groups, a quarter of them empty, odd sizes."""
+    from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
+    g = torch.Generator().manual_seed(5)
+    counts = torch.randint(1, 150, (150,), generator=g)
+    counts[torch.randperm(150, generator=g)[:37]] = 0
+    a, b, offs, ref, rows = _m_grouped_case(counts.tolist(), 128, 256, weight_block, 3, seed=9)
+    o_vec = _run_m(a, b, offs, torch.float32, weight_block, config=Sm90TileConfig(vec_search=True))
+    o_bin = _run_m(a, b, offs, torch.float32, weight_block, config=Sm90TileConfig(vec_search=False))
+    assert torch.equal(o_vec[:rows].view(torch.int32), o_bin[:rows].view(torch.int32))
+    assert _rel_err(o_vec[:rows], ref[:rows]) <= TOL_FP32_OUT
+
+
+@sm90
+@pytest.mark.gpu
 def test_m_grouped_odd_n_1x32():
     a, b, offs, ref, rows = _m_grouped_case([77, 0, 190], 200, 320, 1)
     out = _run_m(a, b, offs, torch.float32, 1)

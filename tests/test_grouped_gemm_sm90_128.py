@@ -207,6 +207,26 @@ def test_m_grouped_bitwise_rerun_and_register_store_epilogue():
 
 @sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_experts", [3, 128, 200, 256, 300])
+def test_m_grouped_vector_search_equals_binary_search(num_experts):
+    """The consumers' vector group search (the default up to 256 groups; 300 takes the binary search in both
+    runs) against the binary search, byte for byte, and against FP64: many small groups, a quarter of them
+    empty (the first and the last among them), odd sizes, rows past offs[-1]."""
+    g = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(1, 200, (num_experts,), generator=g)
+    counts[torch.randperm(num_experts, generator=g)[: num_experts // 4]] = 0
+    counts[0] = counts[-1] = 0
+    counts = counts.tolist()
+    a, b, offs, ref, rows = _m_case(counts, 256, 384, extra_rows=5, seed=13)
+    out_vec = _run_m(a, b, offs, torch.bfloat16, config=Sm90TileConfig(vec_search=True))
+    out_bin = _run_m(a, b, offs, torch.bfloat16, config=Sm90TileConfig(vec_search=False))
+    assert not out_vec[:rows].isnan().any() and out_vec[rows:].isnan().all()
+    assert torch.equal(out_vec[:rows].view(torch.int16), out_bin[:rows].view(torch.int16))
+    assert _rel_err(out_vec[:rows], ref[:rows]) <= TOL_BF16_OUT
+
+
+@sm90
+@pytest.mark.gpu
 def test_m_grouped_nan_scale_propagates():
     a, b, offs, _, _ = _m_case([64, 64], 128, 256, seed=5)
     a.scale.view(torch.uint8)[10, 4:8] = 0xFF  # row 10's second 128-group: NaN

@@ -121,7 +121,7 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         _desc(a, [BM, BK]), _desc(b.view(E * N, K), [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, sb_block), c_desc,
         out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
         K_GROUPED=False, WB32=weight_block == 32, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        SEARCH_STEPS=_search_steps(E), SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None,
+        SEARCH_STEPS=_search_steps(E), VEC_SEARCH=cfg.vec_search, SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None,
         num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg)
     return out
@@ -193,7 +193,7 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         _desc(a, [BM, BK]), _desc(b, [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, [KB, BN]), c_desc,
         out, offs, offs, E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m,
-        SEARCH_STEPS=0, SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None,
+        SEARCH_STEPS=0, VEC_SEARCH=False, SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None,
         num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg)
     return out

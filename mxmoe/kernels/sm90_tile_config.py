@@ -40,6 +40,8 @@ class Sm90TileConfig:
     chain: int = 4  # mx128 mode only: 128-deep stages per unrolled K-loop chain (one wgmma drain per chain)
     maxnreg: int = 168  # per-thread cap at launch: 12 warps x 168 = producer warpgroup x 24 + 8 consumer
     #                     warps x 240 after setmaxnreg (Triton's AllocateWarpGroups arithmetic)
+    vec_search: bool = True  # M-grouped, up to 256 groups: the consumers find a tile's group with one vector
+    #                          load and warp reductions, not a binary search of dependent loads
 
 
 def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = False,
