@@ -43,11 +43,12 @@ def rows_of(shape: str, balance: str, gen) -> list[dict]:
             row = dict(shape=shape, balance=balance, proj=proj, **{"pass": pas}, E=E, M=M, N=n_out, K=k_red,
                        empty_experts=sum(c == 0 for c in counts))
             outs = {}
-            for name, vec in (("binary", False), ("vector", True)):
+            for name, vec in (("binary", False), ("vector", True)) * 2:  # twice, alternating: the best of each
                 fn = lambda c=replace(cfg, vec_search=vec): sm90_mx128_m_grouped_gemm(  # noqa: E731
                     a, sa, b, sb, offs, torch.bfloat16, config=c)
                 outs[name] = fn()[:sum(counts)].view(torch.int16).clone()
-                row[f"{name}_ms"] = C.bench_ms(fn, False, graph=True)
+                ms = C.bench_ms(fn, False, graph=True)
+                row[f"{name}_ms"] = min(ms, row.get(f"{name}_ms", ms))
             row["same_bytes"] = bool(torch.equal(outs["binary"], outs["vector"]))
             row["speedup"] = row["binary_ms"] / row["vector_ms"]
             row["tflops_vector"] = 2.0 * M * n_out * k_red / (row["vector_ms"] * 1e-3) / 1e12

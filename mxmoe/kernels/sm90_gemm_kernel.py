@@ -173,7 +173,7 @@ if HAS_GLUON:
                   offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                  SG: gl.constexpr):
+                  SG: gl.constexpr, VEC_SEARCH: gl.constexpr):
         """TMA warp: fill the smem ring with A, B tiles and their scales, stage by stage.
 
         SG: 32-blocks per scale row (1: one row per 32 of K; 4: the 128-deep groups of the mx128 mode,
@@ -186,7 +186,7 @@ if HAS_GLUON:
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
             a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
                 tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
-                GROUP_M, SEARCH_STEPS)
+                GROUP_M, SEARCH_STEPS, VEC_SEARCH and SEARCH_STEPS <= 7, 1)
             for s in range(gl.cdiv(nsteps, KB)):
                 idx = it % STAGES
                 phase = (it // STAGES) & 1
@@ -497,7 +497,7 @@ if HAS_GLUON:
                              STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN, VEC_SEARCH)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
-                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
+                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
@@ -506,5 +506,5 @@ if HAS_GLUON:
                              STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, TMA_STORE, SG, CHAIN, VEC_SEARCH)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
-                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG)),
+                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)),
             ], [1], [24])
