@@ -261,25 +261,32 @@ def _span(steps) -> str:
     return f"{steps[0]}-{steps[-1]}" if steps else "–"
 
 
+def _torchao_of(rows: list[dict]):
+    """row -> tokens/s of torchao FP8 rowwise's row of the same model and scope (``+linear_fp8`` or none)."""
+    ao = {(r.get("model"), r["method"].partition("+")[2]): r.get("tokens_per_s")
+          for r in rows if str(r.get("method", "")).startswith("torchao_fp8")}
+    return lambda r: ao.get((r.get("model"), str(r.get("method", "")).partition("+")[2]))
+
+
 def torchtitan_section(rows: list[dict]) -> list[str]:
     checks = torchtitan_checks(rows)
     rows = [r for r in rows if r.get("kind", "speed") == "speed"]
     head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "loss at the last step",
             "timed steps", "expert share", "experts ratio", "ideal speed-up", "commit"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
-    ao = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "torchao_fp8"}
+    ao = _torchao_of(rows)
     body = [[str(r.get("model")), str(r.get("method")), fmt(r.get("tokens_per_s"), 0),
              fmt(ratio(r.get("tokens_per_s"), ref.get(r.get("model"))), 3, "x"),
-             fmt(ratio(r.get("tokens_per_s"), ao.get(r.get("model"))), 3, "x"), pct(r.get("mfu"), 1),
+             fmt(ratio(r.get("tokens_per_s"), ao(r)), 3, "x"), pct(r.get("mfu"), 1),
              fmt(r.get("peak_gib"), 1), fmt((r.get("loss") or [None])[-1], 3), str(r.get("timed_steps", "–")),
              pct(r.get("expert_share")), fmt(r.get("layer_ratio"), 2, "x"), fmt(r.get("ideal_speedup"), 2, "x"),
              str(r.get("commit", "–"))]  # rows merged from several calls carry their own commit
             for r in rows]
-    return ["![torchtitan loss](results/h200/torchtitan_loss.png)", "",
-            "![torchtitan parity](results/h200/torchtitan_parity.png)", "",
-            "torchtitan 0.2.2's own training entry point (`python -m benchmarks torchtitan`), cut flavors of the "
+    return ["torchtitan 0.2.2's own training entry point (`python -m benchmarks torchtitan`), cut flavors of the "
             "published models, `--compile.enable`, selective activation checkpointing; `bf16`: torchtitan's "
-            "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter. tokens/s: median of "
+            "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter; `+linear_fp8`: "
+            "torchtitan's FP8 rowwise dense linears as well (its rows compare with torchao's of the same scope). "
+            "tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps. Rows from several calls (their commit column; the "
             "header's git note): ratios across commits compare calls on different machines.", ""] + (
                 table(head, body) + torchtitan_profiles(rows) + checks)
@@ -298,6 +305,9 @@ def result_files(results: Path) -> list[tuple[str, str, Path]]:
             if (folder / f"{suite}.json").exists():
                 out.append((folder.name, suite, folder / f"{suite}.json"))
     return out
+
+
+EXTRA_PLOTS = {"torchtitan": ("loss", "parity")}  # <suite>_<name>.png beside a suite's own plot, shown where present
 
 
 def render(results: Path = C.RESULTS) -> str:
@@ -324,6 +334,8 @@ def render(results: Path = C.RESULTS) -> str:
                          f"{suite}`.")
             continue
         lines += header_lines(doc["header"]) + [""]
+        lines += [f"![{suite} {extra}](results/{gpu}/{suite}_{extra}.png)\n" for extra in EXTRA_PLOTS.get(suite, ())
+                  if (results / gpu / f"{suite}_{extra}.png").exists()]
         lines += section(doc["rows"])
         if suite in PLOTS:
             lines += ["", f"![{suite}](results/{gpu}/{suite}.png)"]
@@ -411,11 +423,11 @@ def plot_torchtitan(rows, path):
     curves = [r for r in rows if r.get("steps") and r.get("loss") and r.get("kind", "speed") == "speed"]
     rows = [r for r in rows if r.get("kind", "speed") == "speed"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
-    ao = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "torchao_fp8"}
+    ao = _torchao_of(rows)
     labels = [f"{r.get('model')} {r.get('method')}" for r in rows]
-    _bars(path, "torchtitan: tokens/s over bf16's and over torchao FP8 rowwise's", labels,
+    _bars(path, "torchtitan: tokens/s over bf16's and over torchao FP8 rowwise's (same scope)", labels,
           {"x bf16": [ratio(r.get("tokens_per_s"), ref.get(r.get("model"))) for r in rows],
-           "x torchao_fp8": [ratio(r.get("tokens_per_s"), ao.get(r.get("model"))) for r in rows]}, "speed-up")
+           "x torchao_fp8": [ratio(r.get("tokens_per_s"), ao(r)) for r in rows]}, "speed-up")
     if not curves:
         return
     import matplotlib
