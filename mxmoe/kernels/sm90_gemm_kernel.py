@@ -35,7 +35,8 @@ sub-problem (m-tiles x n-tiles) tiles are ordered in supergroups of ``GROUP_M`` 
 (expert-wise supergrouping: concurrently running CTAs share one expert's B tiles in L2).
 CTA ``p`` takes tiles ``p, p + P, p + 2P, ...``. For the M-grouped form the wrapper computes
 each expert's tile count on the device (no host sync); the kernel finds a tile's expert by
-binary search over the cumulative tile counts.
+binary search over the cumulative tile counts, or (``VEC_SEARCH``; 33-128 experts by default) by one
+vector load and warp reductions (``_group_of_tile``).
 """
 
 from __future__ import annotations
@@ -369,8 +370,9 @@ if HAS_GLUON:
         total = _num_tiles(tile_end_ptr, E, MT_K, NT, K_GROUPED)
         it = 0
         for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            # The consumers' tile lookup sits between two tiles' tensor-core work: vector search up to 256
-            # experts (8 registers per array; the producer keeps the binary search: it runs ahead of the ring).
+            # The tile lookup sits between two tiles' tensor-core work. VEC_SEARCH (the tile config's vec_search):
+            # the vector search, up to 256 groups here (8 registers per array) and 128 in the producer (its 24
+            # registers spilled at 256), the binary search past that.
             a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
                 tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
                 GROUP_M, SEARCH_STEPS, VEC_SEARCH and SEARCH_STEPS <= 8, NW)

@@ -40,8 +40,9 @@ class Sm90TileConfig:
     chain: int = 4  # mx128 mode only: 128-deep stages per unrolled K-loop chain (one wgmma drain per chain)
     maxnreg: int = 168  # per-thread cap at launch: 12 warps x 168 = producer warpgroup x 24 + 8 consumer
     #                     warps x 240 after setmaxnreg (Triton's AllocateWarpGroups arithmetic)
-    vec_search: bool = True  # M-grouped, up to 256 groups: the consumers find a tile's group with one vector
-    #                          load and warp reductions, not a binary search of dependent loads
+    vec_search: bool = False  # M-grouped: the CTA finds a tile's group with vector loads and warp reductions
+    #                           (consumers up to 256 groups, the producer up to 128), not a binary search of
+    #                           dependent loads; the heuristics below turn it on for 33-128 groups
 
 
 def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = False,
@@ -54,10 +55,18 @@ def sm90_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: bool = 
     15 of 16 cases. 1x32 keeps 128 x 4: its promotion, not the drains, is its bound, and 256-deep
     stages lost 11-23% (the A/B runs: ``docs/hopper.md``).
     """
-    del m, n, num_groups
+    del m, n
+    vec = _vector_search(num_groups, k_grouped)
     if weight_block == 32 and not k_grouped and k % 256 == 0:
-        return Sm90TileConfig(block_k=256, stages=2)
-    return Sm90TileConfig()
+        return Sm90TileConfig(block_k=256, stages=2, vec_search=vec)
+    return Sm90TileConfig(vec_search=vec)
+
+
+def _vector_search(num_groups: int, k_grouped: bool) -> bool:
+    """The vector group search for 33-128 groups (M-grouped). H100, 2026-12-06, mx128 products, same outputs
+    (``benchmarks/results/h100/group_search.json``): 1.00-1.04x at 64 and 128 experts (DeepSeek-V3-16B,
+    Qwen3-30B-A3B), 0.93-0.99x at Mixtral's 8, where the binary search is 3 steps; past 128 not timed."""
+    return not k_grouped and 33 <= num_groups <= 128
 
 
 SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
@@ -75,8 +84,8 @@ def sm90_mx128_tile_config(m: int, n: int, k: int, num_groups: int, k_grouped: b
     """Tile configuration of the mx128 mode (1x128 activations, 128x128 weight tiles; wgrad 128x1 both):
     128 x 128 tiles aligned to the weight tiles, 128-deep stages (one promotion each), 4 of them, TMA
     stores. With FP32 output the ring + staging buffer is 4 x 33 KB + 64 KB (198 KB), BF16 166 KB."""
-    del m, n, k, num_groups, k_grouped
-    return Sm90TileConfig()
+    del m, n, k
+    return Sm90TileConfig(vec_search=_vector_search(num_groups, k_grouped))
 
 
 def check_tile_config(cfg: Sm90TileConfig, weight_block: int = 1, scale_group: int = 32) -> None:
