@@ -245,8 +245,8 @@ def test_m_grouped_deep_stages_match_fp64(case, weight_block, stages):
 @pytest.mark.gpu
 @pytest.mark.parametrize("weight_block", [1, 32])
 def test_m_grouped_vector_search_equals_binary_search(weight_block):
-    """The consumers' vector group search (default, up to 256 groups) against the binary search, byte for
-    byte: 150 groups, a quarter of them empty, odd sizes."""
+    """The vector group search (vec_search=True: consumers up to 256 groups, the producer's binary search past
+    128) against the binary search, byte for byte: 150 groups, a quarter of them empty, odd sizes."""
     from mxmoe.kernels.sm90_tile_config import Sm90TileConfig
     g = torch.Generator().manual_seed(5)
     counts = torch.randint(1, 150, (150,), generator=g)

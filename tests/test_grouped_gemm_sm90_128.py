@@ -209,9 +209,9 @@ def test_m_grouped_bitwise_rerun_and_register_store_epilogue():
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_experts", [3, 128, 200, 256, 300])
 def test_m_grouped_vector_search_equals_binary_search(num_experts):
-    """The consumers' vector group search (the default up to 256 groups; 300 takes the binary search in both
-    runs) against the binary search, byte for byte, and against FP64: many small groups, a quarter of them
-    empty (the first and the last among them), odd sizes, rows past offs[-1]."""
+    """The vector group search (vec_search=True: consumers up to 256 groups, the producer up to 128; 300 takes the
+    binary search in both runs) against the binary search, byte for byte, and against FP64: many small groups, a
+    quarter of them empty (the first and the last among them), odd sizes, rows past offs[-1]."""
     g = torch.Generator().manual_seed(num_experts)
     counts = torch.randint(1, 200, (num_experts,), generator=g)
     counts[torch.randperm(num_experts, generator=g)[: num_experts // 4]] = 0

@@ -1,13 +1,13 @@
-"""The M-grouped products' tile lookup: the consumers' vector group search (``Sm90TileConfig.vec_search``, the
-default) against the binary search of dependent loads it replaced, on the four M-grouped products (fprop and
-dgrad of the up and down projections) of the layer bench's shapes, balanced and skewed, ``mxfp8_128``.
+"""The M-grouped products' tile lookup: the vector group search (``Sm90TileConfig.vec_search``; the tile-config
+heuristic's default for 33-128 experts) against the binary search of dependent loads, on the four M-grouped products
+(fprop and dgrad of the up and down projections) of the layer bench's shapes, balanced and skewed, ``mxfp8_128``.
 
     python benchmarks/tools/bench_group_search.py [--shapes qwen3-30b-a3b,dsv3-16b,mixtral-8x7b]
         [--out benchmarks/results/<gpu>/group_search.json]
 
 Why: over the gemm suite's rows (H200, 2026-12-04) the per-tile cost of these products grew with log2(E),
-~0.16 us per binary-search step, the consumers waiting on SEARCH_STEPS dependent loads between two tiles.
-Each row asserts that both searches give the same output bytes. Times: CUDA-graph replays (``common.bench_ms``).
+~0.16 us per binary-search step (SEARCH_STEPS dependent loads per tile in the producer and the consumers).
+Each case is timed twice per variant, alternating, the best of each kept. Each row asserts that both searches give the same output bytes. Times: CUDA-graph replays (``common.bench_ms``).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def _cases():
             ("k128_bf16", lambda: G128.sm90_mx128_k_grouped_gemm(ka, kas, kb, kbs, offs, torch.bfloat16,
                                                                  check_offsets=False)),
         ]
-        # many experts: the consumers' vector group search at its widest (256) and the binary search past it
+        # many experts: the launch default at 128 (vector search), and the binary search past it (256, 512)
         for e in (128, 256, 512):
             offs_e = torch.arange(1, e + 1, dtype=torch.int32) * (M // e)
             b_e, bs_e = data(e, N, K), sc(e, N, K // 32)

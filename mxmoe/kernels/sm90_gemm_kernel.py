@@ -69,9 +69,9 @@ if HAS_GLUON:
         ends and A-scale starts (one load each, issued together), and e is the count of tile ends at or below
         ``tile``; the other four are masked max / min reductions, valid because all three arrays are
         non-decreasing. The layout keeps each reduction inside one warp (the warps hold copies: no shared
-        memory, no barrier). It replaces SEARCH_STEPS dependent loads plus one more round of them, whose
-        latency sat between every two tiles of a consumer (the grouped products' per-tile cost grew with
-        log2(E): ~0.16 us a step on the H200, fitted over the gemm suite's rows)."""
+        memory, no barrier). It replaces SEARCH_STEPS dependent loads plus one more round of them; in the
+        producer they delay the next tile's first loads (H100 A/B: docs/hopper.md, "The tile lookup with many
+        experts")."""
         EP: gl.constexpr = 1 << SEARCH_STEPS
         L: gl.constexpr = gl.BlockedLayout([(EP + 31) // 32], [32], [NWARPS], [0])
         i = gl.arange(0, EP, layout=L)
@@ -461,7 +461,8 @@ if HAS_GLUON:
             E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
             K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
             SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, TMA_STORE: gl.constexpr,
-            num_warps: gl.constexpr, SG: gl.constexpr = 1, CHAIN: gl.constexpr = 2, VEC_SEARCH: gl.constexpr = True):
+            num_warps: gl.constexpr, SG: gl.constexpr = 1, CHAIN: gl.constexpr = 2,
+            VEC_SEARCH: gl.constexpr = False):
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -493,10 +494,12 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN, VEC_SEARCH)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN,
+                             VEC_SEARCH)),
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN, VEC_SEARCH)),
+                             STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN,
+                             VEC_SEARCH)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)),
@@ -505,7 +508,8 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
-                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, TMA_STORE, SG, CHAIN, VEC_SEARCH)),
+                             STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, TMA_STORE, SG, CHAIN,
+                             VEC_SEARCH)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
                              offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
                              BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)),

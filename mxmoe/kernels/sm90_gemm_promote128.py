@@ -140,9 +140,9 @@ def sm90_mx128_m_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
     sm90_mxfp8_grouped_gemm_kernel[grid](
         _desc(a_data, [BM, BK]), _desc(b_data.view(E * N, K), [BN, BK]), _desc(sa, [BK // GROUP, BM]),
         _desc(sb, sb_block), c_desc, out, offs, sched, E, N, K // MX_BLOCK, 0, nt, M, N,
-        K_GROUPED=False, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=_search_steps(E), VEC_SEARCH=cfg.vec_search,
-        SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
-        maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
+        K_GROUPED=False, WB32=True, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=_search_steps(E),
+        VEC_SEARCH=cfg.vec_search, SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None,
+        num_warps=4 if cfg.split_wg else 8, maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)
     return out
 
 
