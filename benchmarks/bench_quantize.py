@@ -262,12 +262,17 @@ def cases128(x: torch.Tensor, is_weight: bool):
             ("swiglu_128_triton", "fused128", lambda: _triton_only(QF.swiglu_quantize_128, x)),
             ("swiglu_qdq", None, lambda: QF.swiglu_qdq(x)),
         ]
+    halves = (x[:, :x.shape[1] // 2], x[:, x.shape[1] // 2:])  # the gate and up weights [w1; w3] as two parts
     return [
         ("weight_128x128_both", "colrow128x128", lambda: Q.quantize_128x128(x)),
         ("weight_128x128_both_triton", "colrow128x128", lambda: _triton_only(Q.quantize_128x128, x)),
         ("weight_128x128_rows", "row128x128", lambda: Q.quantize_128x128(x, transposed=False)),
         ("weight_32x32_both", "colrow32", lambda: Q.quantize_32x32(x)),
-    ]
+    ] + ([
+        # x as two parts along N: written in place (no concatenation), against concatenating them first
+        ("weight_128x128_parts", "colrow128x128", lambda: Q.quantize_128x128_parts(halves)),
+        ("weight_128x128_cat_then_both", "colrow128x128", lambda: Q.quantize_128x128(torch.cat(halves, 1))),
+    ] if x.shape[1] % 256 == 0 else [])
 
 
 def check128(name: str, x: torch.Tensor, out) -> bool:

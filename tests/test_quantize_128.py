@@ -314,6 +314,29 @@ def _case_swiglu_128(Q, dev, gen):
     same_bytes(out[4], ref(h, -1, "rceil").data, "swiglu strided h data")
 
 
+def _case_128x128_parts(Q, dev, gen):
+    """quantize_128x128_parts (the expert layer's [w1; w3]) equals quantize_128x128 of the concatenation, byte for
+    byte: 2D and 3D, two and three parts of different heights, both rules and dtypes; on the GPU a part whose rows
+    end inside a Gluon tile (1408 = 11 x 128) and one expert's parts as column slices (row stride 2K)."""
+    shapes = [((3, 128, 256), (3, 384, 256)), ((256, 128), (128, 128), (384, 128))]
+    if dev == "cuda":
+        shapes.append(((4, 1408, 2048), (4, 1408, 2048)))
+    for dims in shapes:
+        for dt in DTYPES:
+            parts = [special(wide_randn(d, dt, "cpu", gen), -1, -2).to(dev) for d in dims]
+            for rule in RULES:
+                got = Q.quantize_128x128_parts(parts, rule)
+                want = Q.quantize_128x128(torch.cat(parts, -2), rule)
+                for i, name in enumerate(("data", "scale", "data_t", "scale_t")):
+                    assert got[i].shape == want[i].shape, (dims, name)
+                    same_bytes(got[i], want[i], f"parts {dims} {dt} {rule} {name}")
+    wide = wide_randn((2, 256, 512), torch.float32, "cpu", gen).to(dev)
+    got = Q.quantize_128x128_parts((wide[..., :256], wide[..., 256:]), "rceil")
+    want = Q.quantize_128x128(torch.cat((wide[..., :256], wide[..., 256:]), -2), "rceil")
+    for i in range(4):
+        same_bytes(got[i], want[i], f"parts of strided views, output {i}")
+
+
 def _case_random_shapes(Q, dev, gen):
     """A few random shapes (batch, rows not a multiple of the tile, K / M multiples of 128), dtypes and rules."""
     for _ in range(4):
@@ -334,6 +357,7 @@ CASES = {
     "columnwise_128": _case_columnwise,
     "dual_128": _case_dual,
     "128x128": _case_128x128,
+    "128x128_parts": _case_128x128_parts,
     "noncontiguous_128": _case_noncontiguous,
     "permute_128": _case_permute_128,
     "swiglu_128": _case_swiglu_128,
@@ -376,6 +400,14 @@ def test_input_errors():
         Q.quantize_128x128(torch.randn(2, 100, 128, **meta), transposed=False)
     with pytest.raises(TypeError, match="dtype"):
         Q.quantize_dual_128(torch.randn(128, 128, **meta).to(torch.int32))
+    with pytest.raises(ValueError, match="non-empty"):
+        Q.quantize_128x128_parts([])
+    with pytest.raises(ValueError, match="divisible by 128"):
+        Q.quantize_128x128_parts([torch.randn(2, 160, 256, **meta), torch.randn(2, 128, 256, **meta)])
+    with pytest.raises(ValueError, match="leading shape and K"):
+        Q.quantize_128x128_parts([torch.randn(2, 128, 256, **meta), torch.randn(2, 128, 384, **meta)])
+    with pytest.raises(ValueError, match="leading shape and K"):
+        Q.quantize_128x128_parts([torch.randn(2, 128, 256, **meta), torch.randn(2, 128, 256, **meta).half()])
     src = torch.zeros(192, dtype=torch.int32, **meta)
     with pytest.raises(ValueError, match="divisible by 128"):
         QF.permute_quantize_128(torch.randn(10, 128, **meta), src)

@@ -25,6 +25,9 @@ def test_fake_shapes():
         x2 = torch.empty(64, 96, device="cuda", dtype=torch.float32)
         assert [t.shape for t in ops.quantize_dual(x2, "floor")] == [(64, 96), (64, 3), (96, 64), (96, 2)]
         assert [t.shape for t in ops.quantize_32x32(x, "rceil")] == [(8, 64, 96), (8, 64, 3), (8, 96, 64), (8, 96, 2)]
+        w1, w3 = (torch.empty(4, n, 256, device="cuda", dtype=torch.float32) for n in (128, 384))
+        assert [(t.shape, t.dtype) for t in ops.quantize_128x128_parts([w1, w3], "rceil")] == [
+            ((4, 512, 256), E4M3), ((4, 512, 8), E8M0), ((4, 256, 512), E4M3), ((4, 256, 16), E8M0)]
         assert ops.dequantize_bf16(d, s).dtype == torch.bfloat16
         offs = torch.empty(8, device="cuda", dtype=torch.int32)
         a, sa = torch.empty(500, 96, device="cuda", dtype=E4M3), torch.empty(500, 3, device="cuda", dtype=E8M0)

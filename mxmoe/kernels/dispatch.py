@@ -105,14 +105,21 @@ def quantize_dual_cuda(x: torch.Tensor, scale_rule: str, group: int, be: Backend
     return q.rowwise_mxtensor(data, scale, scale_rule, block), q.columnwise_mxtensor(data_t, scale_t, scale_rule, block)
 
 
-def quantize_weight_both_cuda(w: torch.Tensor, scale_rule: str, tile: int, be: Backend):
+def quantize_weight_both_cuda(w: "torch.Tensor | tuple[torch.Tensor, ...]", scale_rule: str, tile: int, be: Backend):
     """``tile`` x ``tile`` block weights ``[E, N, K]`` (32 or 128) in both orientations from one read:
-    (along K, along N), or None."""
-    if w.dim() != 3 or w.dtype not in _QUANT_DTYPES or w.shape[-1] % tile or w.shape[-2] % tile or not be.kernels:
+    (along K, along N), or None. ``w`` may be a tuple of parts ``[E, N_i, K]`` along N (128x128 only): the
+    result is their concatenation's, which is never written (:func:`mxmoe.kernels.quantize.quantize_128x128_parts`)."""
+    parts = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    if (not be.kernels or (len(parts) > 1 and tile != 128)
+            or any(p.dim() != 3 or p.dtype not in _QUANT_DTYPES or p.shape[-1] % tile or p.shape[-2] % tile
+                   for p in parts)):
         return None
     from mxmoe.kernels import quantize as q
 
-    data, scale, data_t, scale_t = (_ops().quantize_32x32 if tile == 32 else _ops().quantize_128x128)(w, scale_rule)
+    if len(parts) > 1:
+        data, scale, data_t, scale_t = _ops().quantize_128x128_parts(list(parts), scale_rule)
+    else:
+        data, scale, data_t, scale_t = (_ops().quantize_32x32 if tile == 32 else _ops().quantize_128x128)(w, scale_rule)
     block = (tile, tile)
     return (q.rowwise_mxtensor(data, scale, scale_rule, block),
             q.columnwise_mxtensor(data_t, scale_t, scale_rule, block))

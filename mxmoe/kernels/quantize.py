@@ -271,6 +271,67 @@ def quantize_128x128(x: torch.Tensor, scale_rule: ScaleRule | str = "rceil", sca
                       group=_G128)
 
 
+def quantize_128x128_parts(parts, scale_rule: ScaleRule | str = "rceil"):
+    """:func:`quantize_128x128` of ``torch.cat(parts, dim=-2)`` without the concatenation: each part is read once and
+    quantized straight into its rows of the outputs (and its columns of the copy along N). The expert layer's gate
+    and up weights ``w1``, ``w3 [E, F, D]`` become the FP8 operands of ``[w1; w3] [E, 2F, D]`` this way, where a
+    concatenation would first write (and the quantization read) an FP32 copy of both.
+
+    Args:
+        parts: a non-empty sequence of ``[N_i, K]`` or ``[E, N_i, K]`` tensors, bfloat16/float16/float32, CUDA, all
+            of one dtype, device, leading shape and ``K``; ``N_i % 128 == K % 128 == 0`` (so no 128x128 tile
+            straddles two parts: the result equals the concatenation's, byte for byte).
+    Returns:
+        ``(data, scale, data_t, scale_t)`` with ``N = sum N_i``: ``data`` ``[.., N, K]`` e4m3, ``scale`` ``[.., N,
+        K/32]`` e8m0, ``data_t`` ``[.., K, N]``, ``scale_t`` ``[.., K, N/32]`` (row-major scales), equal to
+        ``quantize_128x128(torch.cat(parts, -2), scale_rule)``.
+    Raises:
+        TypeError: not tensors, or a dtype other than the three. ValueError: no parts, parts that differ in
+        dtype, device, leading shape or K, a dim not a multiple of 128, CPU tensors outside the interpreter.
+    """
+    name = "quantize_128x128_parts"
+    parts = list(parts) if isinstance(parts, (list, tuple)) else None
+    if not parts:
+        raise ValueError(f"{name} expects a non-empty list or tuple of tensors")
+    first = parts[0]
+    for p in parts:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} expects tensors, got {type(p).__name__}")
+    for p in parts[1:]:
+        if (p.dtype, p.device, p.dim(), p.shape[:-2], p.shape[-1]) != (first.dtype, first.device, first.dim(),
+                                                                       first.shape[:-2], first.shape[-1]):
+            raise ValueError(f"{name}: every part must have the first's dtype, device, leading shape and K; got "
+                             f"{first.dtype} {tuple(first.shape)} on {first.device} and {p.dtype} {tuple(p.shape)} "
+                             f"on {p.device}")
+    views = [_check(p, name, need_k32=True, need_m32=True, group=_G128)[0] for p in parts]
+    B, K = views[0].shape[0], views[0].shape[2]
+    N = sum(v.shape[1] for v in views)
+    lead = tuple(first.shape[:-2])
+    dev = first.device
+    if not all(_use_gluon(v) for v in views):  # (Triton kernel: each part, then its bytes copied into place)
+        outs = [quantize_128x128(p, scale_rule) for p in parts]
+        return (torch.cat([o[0] for o in outs], -2), torch.cat([o[1] for o in outs], -2),
+                torch.cat([o[2] for o in outs], -1), torch.cat([o[3] for o in outs], -1))
+    rceil = _rule(scale_rule)
+    qr = torch.empty(B, N, K, dtype=torch.uint8, device=dev)
+    sr = _alloc_scales(B, N, K // BLOCK, 0, dev)
+    qc = torch.empty(B, K, N, dtype=torch.uint8, device=dev)
+    sc = _alloc_scales(B, K, N // BLOCK, 0, dev)
+    n0 = 0
+    for v in views:
+        n = v.shape[1]
+        if B > 0 and n > 0 and K > 0:
+            _launch_gluon(v, qc[:, :, n0:], sc[:, :, n0 // BLOCK:], qr[:, n0:], sr[:, n0:], n, K, rceil, row=1,
+                          col=1, layout=0, tile32=True, group=_G128, m_out=N)
+        n0 += n
+
+    def finish(t, dtype):
+        return t.view(*lead, *t.shape[1:]).view(dtype)
+
+    return (finish(qr, torch.float8_e4m3fn), finish(sr, torch.float8_e8m0fnu), finish(qc, torch.float8_e4m3fn),
+            finish(sc, torch.float8_e8m0fnu))
+
+
 def quantize_grouped_rowwise(x: torch.Tensor, offs: torch.Tensor, scale_rule: ScaleRule | str = "rceil",
                              padded_rows: int | None = None, row_major_scale: bool = False):
     """Rowwise MXFP8 of expert-grouped rows, scales written in the per-group blocked layout.

@@ -79,12 +79,16 @@ def _tile_index(tm, tk, MB: gl.constexpr, BK: gl.constexpr, L: gl.constexpr):
 @gluon.jit
 def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: gl.constexpr, LAYOUT: gl.constexpr,
              MB: gl.constexpr, BK: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr, L_IN: gl.constexpr,
-             TILE32: gl.constexpr, GROUP: gl.constexpr = 32):
+             TILE32: gl.constexpr, GROUP: gl.constexpr = 32, M_OUT=None):
     """The rowwise half, on the tile x [MB, 32, BK] as loaded (L_IN, global indices m [MB, 32, 1],
     k [1, 1, BK]): a 1x32 block along K is VEC elements in each of 32/VEC neighbouring lanes, so its
     max is in-thread plus shuffles. OUT 1: E4M3 qr [B, M, K] and scales sr; OUT 2: the BF16 MX
     values (quantize, then expand) into qr [B, M, K] bf16. TILE32: one scale per 32x32 tile (the
-    max of the tile's 32 row-block maxima). GROUP 128: 1x128 groups (BK % 128 == 0), with TILE32 128x128 tiles."""
+    max of the tile's 32 row-block maxima). GROUP 128: 1x128 groups (BK % 128 == 0), with TILE32 128x128 tiles.
+    M_OUT: the rows of each batch of the destination qr [B, M_OUT, K] (default M; qr_ptr may point at a row inside
+    it), its batch stride M_OUT * K."""
+    if M_OUT is None:
+        M_OUT = M
     NB: gl.constexpr = BK // 32
     xf = gl.reshape(_to_f32(x), [MB, 32, NB, 32])
     amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=3)  # [MB, 32, NB]
@@ -99,10 +103,10 @@ def _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, OUT: 
     q = _quantize_elems(xf, gl.expand_dims(byte, 3), False)
     if OUT == 2:
         v = gl.convert_layout(gl.reshape(_expand_bf16(q, gl.expand_dims(byte, 3)), [MB, 32, BK]), L_IN)
-        gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, v, mask=(m < M) & (k < K))
+        gl.store(qr_ptr + b * M_OUT * K + m.to(gl.int64) * K + k, v, mask=(m < M) & (k < K))
     else:
         q = gl.convert_layout(gl.reshape(q, [MB, 32, BK]), L_IN)
-        gl.store(qr_ptr + b * M * K + m.to(gl.int64) * K + k, q, mask=(m < M) & (k < K))
+        gl.store(qr_ptr + b * M_OUT * K + m.to(gl.int64) * K + k, q, mask=(m < M) & (k < K))
         if TILE32 and LAYOUT == 2:  # compact: one value per tile of the [M/32, K/32] tile grid
             _tile_scales(_e8m0_from_amax_bits(tile, rceil), tm, tk, sr_ptr + b * sr_stride_b, M // 32, K // 32,
                          MB, NB, False)
@@ -146,7 +150,7 @@ def mx_quantize_cols_kernel(
     RS: gl.constexpr = 32, GROUP: gl.constexpr = 32,
     src_ptr=None, T=0, qh_ptr=None, sh_ptr=None, IN_MODE: gl.constexpr = 0, SAVE_H: gl.constexpr = False,
     w_ptr=None, yp_ptr=None, dwp_ptr=None, TOP_K: gl.constexpr = 1, h_ptr=None, hs_ptr=None,
-    H_FP8: gl.constexpr = False,
+    H_FP8: gl.constexpr = False, M_OUT=None,
 ):
     """One program per [MB*32, BK] tile of x[b] (m-tiles fastest, K_FAST: k-tiles fastest; then b); WM*WK warps.
 
@@ -176,7 +180,12 @@ def mx_quantize_cols_kernel(
     torch's autograd arithmetic; two programs per tile of da keep the registers of one output, the second's reads
     hit L2), quantized both ways (ROW 1, COL 1, row-major scales): qr [M, 2K] + sr [M, 2K/32], qc [2K, M] + sc
     [2K, M/32] (K % BK == 0).
+    M_OUT (IN_MODE 0, row-major scales): the outputs are rows [0, M) of wider destinations with M_OUT rows along M,
+    qr [B, M_OUT, K] + sr [B, M_OUT, K/32] and qc [B, K, M_OUT] + sc [B, K, M_OUT/32], with qr_ptr / sr_ptr / qc_ptr
+    / sc_ptr at the first row / column of this part (sc_stride_b, sr_stride_b: the destinations'); default M.
     """
+    if M_OUT is None:
+        M_OUT = M
     TPK: gl.constexpr = BK // VEC
     L_IN: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32 // TPK, TPK], [WM, WK, 1], [2, 1, 0])
     L_COL: gl.constexpr = gl.BlockedLayout([1, RS, 1], [TM, 32 // RS, 32 // TM // (32 // RS)], [WM, 1, WK], [1, 0, 2])
@@ -232,8 +241,9 @@ def mx_quantize_cols_kernel(
     if IN_MODE != 4:  # (mode 4 stored its two halves above)
         if ROW != 0:
             _rowwise(x, m, k, tm, tk, b, qr_ptr, sr_ptr, M, K, sr_stride_b, rceil, ROW, LAYOUT, MB, BK, WM, WK, L_IN,
-                     TILE32, GROUP)
-        _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL, LAYOUT, MB, BK, TILE32, GROUP, L_COL)
+                     TILE32, GROUP, M_OUT)
+        _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL, LAYOUT, MB, BK, TILE32, GROUP, L_COL,
+                    M_OUT)
 
 
 @gluon.jit
@@ -252,10 +262,14 @@ def _h_half(h_ptr, hs_ptr, m, k, M, K, col0, live, H_FP8: gl.constexpr):
 
 @gluon.jit
 def _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL: gl.constexpr, LAYOUT: gl.constexpr,
-                MB: gl.constexpr, BK: gl.constexpr, TILE32: gl.constexpr, GROUP: gl.constexpr, L_COL: gl.constexpr):
+                MB: gl.constexpr, BK: gl.constexpr, TILE32: gl.constexpr, GROUP: gl.constexpr, L_COL: gl.constexpr,
+                M_OUT=None):
     """The column half, on the tile x [MB, 32, BK] (any layout; global tile (tm, tk) of x[b]): one layout
     conversion to L_COL, then the 32x1 (GROUP 128: 128x1) block maxima per thread and the transposed
-    stores (COL 1: E4M3 qc [B, K, M] + scales sc; 2: BF16 MX values into qc)."""
+    stores (COL 1: E4M3 qc [B, K, M] + scales sc; 2: BF16 MX values into qc). M_OUT: the columns of the destination
+    qc [B, K, M_OUT] (default M; qc_ptr may point at a column inside it), and of sc [B, K, M_OUT/32] (row-major)."""
+    if M_OUT is None:
+        M_OUT = M
     # one layout conversion, then per thread (RS 16: the block max takes one shuffle between two lanes)
     xf = _to_f32(gl.convert_layout(x, L_COL))
     amax = gl.max(xf.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # [MB, BK]
@@ -274,25 +288,30 @@ def _columnwise(x, tm, tk, b, qc_ptr, sc_ptr, M, K, sc_stride_b, rceil, COL: gl.
     mc, kc = _tile_index(tm, tk, MB, BK, L_COL)
     if COL == 2:
         v = _expand_bf16(q, gl.expand_dims(byte, 1))
-        gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, v, mask=(mc < M) & (kc < K))
+        gl.store(qc_ptr + b * M_OUT * K + kc.to(gl.int64) * M_OUT + mc, v, mask=(mc < M) & (kc < K))
     else:
-        gl.store(qc_ptr + b * M * K + kc.to(gl.int64) * M + mc, q, mask=(mc < M) & (kc < K))
+        gl.store(qc_ptr + b * M_OUT * K + kc.to(gl.int64) * M_OUT + mc, q, mask=(mc < M) & (kc < K))
         if TILE32 and LAYOUT == 2:
             _tile_scales(_e8m0_from_amax_bits(tile, rceil), tm, tk, sc_ptr + b * sc_stride_b, K // 32, M // 32,
                          MB, BK // 32, True)
         else:
-            _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT, MB, BK, L_COL)
+            _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT, MB, BK, L_COL, M_OUT)
 
 
 @gluon.jit
 def _columnwise_scales(byte, tm, tk, b, sc_ptr, M, K, sc_stride_b, LAYOUT: gl.constexpr,
-                       MB: gl.constexpr, BK: gl.constexpr, L_COL: gl.constexpr):
-    """Store the columnwise scale bytes [MB, BK] of tile (tm, tk): scale row k, column m // 32."""
+                       MB: gl.constexpr, BK: gl.constexpr, L_COL: gl.constexpr, M_OUT):
+    """Store the columnwise scale bytes [MB, BK] of tile (tm, tk): scale row k, column m // 32 (row-major LAYOUT 0:
+    of a row M_OUT / 32 wide)."""
     s0 = gl.arange(0, MB, layout=gl.SliceLayout(1, gl.SliceLayout(1, L_COL)))
     s2 = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_COL)))
     sk = tk * BK + gl.expand_dims(s2, 0)  # scale row = k
     sm = tm * MB + gl.expand_dims(s0, 1)  # scale column = block of 32 rows
-    _store_scales(sc_ptr + b * sc_stride_b, sk, sm, byte, K, M // 32, (M // 32 + 3) // 4, LAYOUT)
+    if LAYOUT == 0:  # _store_scales' row-major case, with the destination's row width
+        gl.store(sc_ptr + b * sc_stride_b + sk.to(gl.int64) * (M_OUT // 32) + sm, byte.to(gl.uint8),
+                 mask=(sk < K) & (sm < M // 32))
+    else:
+        _store_scales(sc_ptr + b * sc_stride_b, sk, sm, byte, K, M // 32, (M // 32 + 3) // 4, LAYOUT)
 
 
 @gluon.jit

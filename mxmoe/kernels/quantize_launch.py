@@ -42,21 +42,31 @@ def _gluon():
 
 def _launch_gluon(x3, qc, sc, qr, sr, m_cover: int, k_cover: int, rceil: int, row: int, col: int, layout: int,
                   tile32: bool = False, group: int = 32, shape: tuple | None = None, fused: dict | None = None,
-                  tile: dict | None = None):
+                  tile: dict | None = None, m_out: int | None = None):
     """Run quantize_gluon.mx_quantize_cols_kernel on x3 [B, M, K] over [m_cover, k_cover]; row / col
     are its ROW / COL output modes (qc, qr: E4M3 bytes or BF16; sc, sr: scales or None); tile32: one
     scale per 32x32 tile (group 128: 128x128); group: the scale group along each output's axis.
     shape: the tile grid's (B, M, K) where it is not x3's (the fused input modes); fused: the kernel's
-    IN_MODE arguments (src_ptr / T, or qh_ptr / sh_ptr / SAVE_H); tile: the tile, where not _gluon_tile's."""
+    IN_MODE arguments (src_ptr / T, or qh_ptr / sh_ptr / SAVE_H); tile: the tile, where not _gluon_tile's.
+    m_out: the outputs are a part of wider row-major destinations with m_out rows along M (the kernel's M_OUT; qc,
+    sc, qr, sr are then views starting at the part, and sc / sr's batch strides are the destinations')."""
     B, M, K = x3.shape if shape is None else shape
     g = _gluon_tile(row, x3) if tile is None else dict(tile)
     n_tiles = B * triton_cdiv(m_cover, 32 * g["MB"]) * triton_cdiv(k_cover, g["BK"])
     _gluon().mx_quantize_cols_kernel[(n_tiles,)](
         x3, qc, qc if sc is None else sc, qc if qr is None else qr, qc if sr is None else sr,
-        M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), 0 if sc is None else sc[0].numel(),
-        0 if sr is None else sr[0].numel(), rceil,
+        M, K, m_cover, k_cover, x3.stride(0), x3.stride(1), _batch_stride(sc, m_out), _batch_stride(sr, m_out), rceil,
         ROW=row, COL=col, LAYOUT=layout, VEC=_GLUON_VEC, TILE32=tile32, K_FAST=_gluon_k_fast(row, col),
-        num_warps=g["WM"] * g["WK"], **g, **({"GROUP": group} if group != 32 else {}), **(fused or {}))
+        num_warps=g["WM"] * g["WK"], **g, **({"GROUP": group} if group != 32 else {}), **(fused or {}),
+        **({} if m_out is None else {"M_OUT": m_out}))
+
+
+def _batch_stride(s, m_out):
+    """A scale output's per-batch size as the kernel steps it: the tensor's first-row size, or with m_out (a part
+    of a wider destination, s a view into it) the destination's batch stride; 0 for none."""
+    if s is None:
+        return 0
+    return s[0].numel() if m_out is None else s.stride(0)
 
 
 # Scale groups the Gluon kernel takes (128: 1x128 / 128x1 groups and 128x128 tiles, GROUP constexpr); other

@@ -15,6 +15,7 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
                             ``[..., blocked_numel(rows, cols)]`` of the scale matrix (sm_100 weights)
 ``quantize_32x32``          (data, scale, data_t, scale_t), one scale per 32x32 tile
 ``quantize_*_128``          the same with 1x128 groups (rowwise, columnwise, dual) or 128x128 tiles
+``quantize_128x128_parts``  (xs, rule) -> ``quantize_128x128`` of ``torch.cat(xs, dim=-2)``, not written
 ``permute_quantize_128``    (x ``[T, K]``, src ``[M]`` int) -> quantize_dual_128 of ``x[src]`` (src -1: zero row)
 ``swiglu_quantize_128``     (h ``[M, 2F]`` bf16, rule, save_h) -> quantize_dual_128 of ``silu(h[:, :F]) * h[:, F:]``,
                             + h quantized along 2F in 1x128 groups (data, scale) if save_h, else two empty tensors
@@ -77,6 +78,12 @@ def _row(x):
 def _col(x):
     lead, M, K = x.shape[:-2], x.shape[-2], x.shape[-1]
     return x.new_empty((*lead, K, M), dtype=E4M3), x.new_empty((*lead, K, M // 32), dtype=E8M0)
+
+
+def _cat_shape(xs):
+    """An empty stand-in for ``torch.cat(xs, dim=-2)`` (its shape, dtype and device)."""
+    n = sum(x.shape[-2] for x in xs)
+    return xs[0].new_empty((*xs[0].shape[:-2], n, xs[0].shape[-1]))
 
 
 def _blocked(x, transposed: bool):
@@ -153,6 +160,14 @@ def quantize_128x128(x: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, to
     from mxmoe.kernels import quantize as q
 
     return tuple(q.quantize_128x128(x, scale_rule))
+
+
+@_op
+def quantize_128x128_parts(xs: list[torch.Tensor], scale_rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    from mxmoe.kernels import quantize as q
+
+    return tuple(q.quantize_128x128_parts(xs, scale_rule))
 
 
 @_op
@@ -349,6 +364,8 @@ quantize_rowwise_128.register_fake(lambda x, scale_rule: _row(x))
 quantize_columnwise_128.register_fake(lambda x, scale_rule: _col(x))
 quantize_dual_128.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
 quantize_128x128.register_fake(lambda x, scale_rule: (*_row(x), *_col(x)))
+quantize_128x128_parts.register_fake(lambda xs, scale_rule: (
+    *_row(_cat_shape(xs)), *_col(_cat_shape(xs))))
 permute_quantize_128.register_fake(lambda x, src, scale_rule: (
     *_row(x.new_empty((src.shape[0], x.shape[1]))), *_col(x.new_empty((src.shape[0], x.shape[1])))))
 swiglu_quantize_128.register_fake(lambda h, scale_rule, save_h: (

@@ -133,10 +133,13 @@ def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws:
     """The MX expert product's forward inside an autograd Function's ``forward`` (:class:`_MXGroupedLinear`, and
     the down projection fused with the combine, :mod:`mxmoe.ops.tokens`): ``(y, tensors to save)``; the
     Function saves those first (with its own after them) and passes them to :func:`linear_backward`."""
-    w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=1)
     ctx.splits = [p.shape[1] for p in ws]
     rule, g = recipe.scale_rule, recipe.act_block
-    exp = _expansion(x, w, recipe, be)
+    exp = _expansion(x, ws[0], recipe, be)
+    both = exp is None and recipe.weight_block > 1 and not recipe.requantize_weights
+    # the weight: its parts' concatenation, except where one quantization of square tiles serves fprop and dgrad
+    # (quantize_weight_both takes the parts: the 128x128 kernel quantizes them without writing the concatenation)
+    w = ws[0] if len(ws) == 1 else tuple(ws) if both else torch.cat(ws, dim=1)
     grouped = exp is None and be.grouped_scales(recipe)
     x_saved = x_wgrad
     if x_mx is not None:  # (with x_wgrad too: x is only the autograd handle, see MXOperands)
@@ -159,7 +162,7 @@ def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws:
         # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
         # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
         wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
-    elif recipe.weight_block > 1 and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
+    elif both:  # one quantization serves fprop and dgrad
         wq, w_dgrad = quantize_weight_both(w, recipe, be)
     else:
         wq = quantize_weight(w, recipe, -1, be, blocked=be.blocked_weight_scales(recipe))  # [E, N, K] along K
@@ -170,7 +173,7 @@ def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws:
         x_saved = (quantize(_pad_rows(x.detach(), g), 0, rule, g, backend=be) if recipe.wgrad_mxfp8
                    else x.detach().to(getattr(torch, recipe.compute_dtype)))  # along tokens
     ctx.recipe, ctx.expansion, ctx.grouped, ctx.be = recipe, exp is not None, grouped, be
-    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, w.dtype
+    ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, ws[0].dtype
     # saved tensors, not ctx attributes: freed after backward, visible to saved_tensors_hooks
     xs, ctx.x_meta = pack(x_saved)
     wds, ctx.w_meta = pack(w_dgrad)

@@ -118,14 +118,20 @@ def quantize_dual(x: torch.Tensor, scale_rule: str = "rceil", group: int = BLOCK
     return quantize(x, -1, scale_rule, group, backend=be), quantize(x, 0, scale_rule, group, backend=be)
 
 
-def quantize_weight_both(w: torch.Tensor, recipe: Recipe, be: Backend | None = None) -> tuple[MXTensor, MXTensor]:
+def quantize_weight_both(w: "torch.Tensor | tuple[torch.Tensor, ...]", recipe: Recipe,
+                         be: Backend | None = None) -> tuple[MXTensor, MXTensor]:
     """Square-tile weights ``[E, N, K]`` (32x32 or 128x128) along K (fprop) and along N (dgrad): one
-    quantization."""
-    if w.is_cuda:
+    quantization. ``w`` may be a tuple of parts ``[E, N_i, K]`` along N: the weight is their concatenation,
+    which the 128x128 CUDA kernel never writes (elsewhere it is concatenated first)."""
+    first = w[0] if isinstance(w, tuple) else w
+    if first.is_cuda:
         from mxmoe.kernels import dispatch
 
-        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule, recipe.weight_block, be or resolve(w.device))
+        out = dispatch.quantize_weight_both_cuda(w, recipe.scale_rule, recipe.weight_block,
+                                                 be or resolve(first.device))
         if out is not None:
             return out
+    if isinstance(w, tuple):
+        w = w[0] if len(w) == 1 else torch.cat(w, dim=-2)
     wq = quantize_weight(w, recipe, -1, be)
     return wq, wq.requantize_free_swap()
