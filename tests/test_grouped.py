@@ -475,3 +475,21 @@ def test_weight_parts_are_the_concatenated_weight(recipe, device):
         grouped_linear(x, (w1, w3.double()), offs, recipe)
     with pytest.raises(ValueError, match="empty tuple"):
         grouped_linear(x, (), offs, recipe)
+
+
+def test_requantized_weight_parts_are_saved_as_themselves():
+    """Under requantize_weights (mxfp8_128_lowmem) backward keeps the weight parts themselves (the parameters, no
+    new memory), not their FP32 concatenation: every saved tensor of w's shape family is one of the parts."""
+    g = torch.Generator().manual_seed(12)
+    E, K, n = 2, 256, 128
+    x = torch.randn(2 * n, K, generator=g).requires_grad_()
+    w1, w3 = (torch.randn(E, n, K, generator=g).requires_grad_() for _ in range(2))
+    offs = offsets([n, n])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = grouped_linear(x, (w1, w3), offs, "mxfp8_128_lowmem")
+    weights = [t for t in saved if t.dim() == 3 and t.dtype == torch.float32]
+    assert weights and all(t.data_ptr() in (w1.data_ptr(), w3.data_ptr()) for t in weights), \
+        [tuple(t.shape) for t in weights]
+    y.sum().backward()
+    assert w1.grad.shape == w1.shape and w3.grad.shape == w3.shape

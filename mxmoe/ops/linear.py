@@ -93,10 +93,13 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
             raise ValueError("x_wgrad must be x's tensor quantized along tokens (axis 0); it is far from x")
 
 
-def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool, be: Backend):
+def _weight_along_n(w: "torch.Tensor | tuple[torch.Tensor, ...]", recipe: Recipe, expansion: bool, be: Backend):
     """dgrad's weight operand ``[E, N, K]`` quantized along N, from the parameter: its BF16 values on
     the Hopper expansion route (1x32: a transposed view; 32x32: the tile values, row-major), else an
-    MXTensor."""
+    MXTensor. ``w``: a tuple of square-tile weight parts along N (not on the expansion route) is quantized
+    without concatenating it (:func:`quantize_weight_both`)."""
+    if isinstance(w, tuple):
+        return quantize_weight_both(w, recipe, be)[1]
     if expansion:
         from mxmoe.kernels import dispatch
 
@@ -109,7 +112,7 @@ def _weight_along_n(w: torch.Tensor, recipe: Recipe, expansion: bool, be: Backen
 class _MXGroupedLinear(torch.autograd.Function):
     """MXFP8 expert linear layer. Saved for backward: FP8 x (columnwise) and the FP8 weights
     (or, for 1x32 weights off the expansion route or under ``requantize_weights``, the parameter
-    itself, requantized along N).
+    itself, or its parts, requantized along N).
 
     On the Hopper expansion route (:func:`_expansion`) operands are BF16 MX values from the QDQ
     kernels, bit-identical to expanding the quantized operands; what is saved stays FP8.
@@ -136,10 +139,11 @@ def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws:
     ctx.splits = [p.shape[1] for p in ws]
     rule, g = recipe.scale_rule, recipe.act_block
     exp = _expansion(x, ws[0], recipe, be)
-    both = exp is None and recipe.weight_block > 1 and not recipe.requantize_weights
-    # the weight: its parts' concatenation, except where one quantization of square tiles serves fprop and dgrad
-    # (quantize_weight_both takes the parts: the 128x128 kernel quantizes them without writing the concatenation)
-    w = ws[0] if len(ws) == 1 else tuple(ws) if both else torch.cat(ws, dim=1)
+    tiles = exp is None and recipe.weight_block > 1  # square tiles: one quantization gives both orientations
+    # the weight: its parts' concatenation, except with square tiles, where quantize_weight_both takes the parts
+    # (the 128x128 kernel quantizes them without writing the concatenation; under requantize_weights the parts,
+    # not an FP32 concatenation, are what backward keeps)
+    w = ws[0] if len(ws) == 1 else tuple(ws) if tiles else torch.cat(ws, dim=1)
     grouped = exp is None and be.grouped_scales(recipe)
     x_saved = x_wgrad
     if x_mx is not None:  # (with x_wgrad too: x is only the autograd handle, see MXOperands)
@@ -162,8 +166,10 @@ def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws:
         # backward) = 4 B; requantizing from the parameter in backward moves 4 + 2 = 6 B. Cost:
         # ~1 B per weight element held until backward (recipe.requantize_weights trades the other way).
         wq, w_dgrad = exp.qdq_dual(w.detach(), rule, tile32=tile32)
-    elif both:  # one quantization serves fprop and dgrad
+    elif tiles and not recipe.requantize_weights:  # one quantization serves fprop and dgrad
         wq, w_dgrad = quantize_weight_both(w, recipe, be)
+    elif isinstance(w, tuple):  # parts under requantize_weights: along K now (the copy along N dropped)
+        wq, w_dgrad = quantize_weight_both(w, recipe, be)[0], None
     else:
         wq = quantize_weight(w, recipe, -1, be, blocked=be.blocked_weight_scales(recipe))  # [E, N, K] along K
         w_dgrad = None
@@ -178,7 +184,9 @@ def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws:
     xs, ctx.x_meta = pack(x_saved)
     wds, ctx.w_meta = pack(w_dgrad)
     ctx.n_x = len(xs)
-    return y, [offs, w if w_dgrad is None else None, *xs, *wds]
+    w_saved = () if w_dgrad is not None else w if isinstance(w, tuple) else (w,)  # for dgrad to requantize
+    ctx.n_w = len(w_saved)
+    return y, [offs, *w_saved, *xs, *wds]
 
 
 def linear_backward(ctx, saved, dy, need_dx: bool, need_dw: bool, dyq: MXTensor | None = None,
@@ -187,7 +195,8 @@ def linear_backward(ctx, saved, dy, need_dx: bool, need_dw: bool, dyq: MXTensor 
     of each weight part])``. dy ``[M, N]``, or None with ``dyq`` (dy along N, ``[M, N]``) and ``dyq_t`` (dy along
     tokens, ``[N, M]``) already quantized upstream (the combine's fused backward)."""
     recipe, rule, g, be = ctx.recipe, ctx.recipe.scale_rule, ctx.recipe.act_block, ctx.be
-    offs, w, *rest = saved
+    offs, w, rest = saved[0], tuple(saved[1:1 + ctx.n_w]), saved[1 + ctx.n_w:]
+    w = w[0] if len(w) == 1 else w or None  # the parameter, its parts, or None (w_dgrad kept)
     x_saved, w_dgrad = unpack(rest[:ctx.n_x], ctx.x_meta), unpack(rest[ctx.n_x:], ctx.w_meta)
     dx, dws = None, [None] * len(ctx.splits)
     if dy is None:
