@@ -16,14 +16,13 @@ import argparse
 import itertools
 import json
 import os
-import re
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from mxmoe.kernels import quantize as Q, quantize_launch as QL, quantize_tile_config as QT  # noqa: E402
+from mxmoe.kernels import quantize as Q, quantize_tile_config as QT  # noqa: E402
 
 # FP32 [E, N, K]: Qwen3-30B-A3B's w13 and w2 as the layer holds them, one of torchtitan Llama 4's w1 / w3
 SHAPES = [(128, 1536, 2048), (128, 2048, 768), (16, 8192, 5120)]
@@ -60,29 +59,13 @@ def with_tile(g: dict, fn):
 
 
 def offline() -> None:
-    """Compile each candidate for sm_90 on CPU tensors; print registers and spills."""
-    from benchmarks.tools.offline_sm90 import install_compile_only, ptxas_and_sass
+    """Compile each fitting tile for sm_90 on CPU tensors (``bench_quantize.py --offline-sm90``'s harness); print
+    registers, spills and SASS size."""
+    from benchmarks import bench_quantize
 
-    compiled = install_compile_only()
-    check = QL._check
-
-    def check_cpu(*a, **k):
-        QL._interpreting, old = (lambda: True), QL._interpreting
-        try:
-            return check(*a, **k)
-        finally:
-            QL._interpreting = old
-
-    for m in (Q, QL):
-        m._check = check_cpu
-        m._use_gluon = lambda x3: True
-    w = torch.zeros(2, 256, 256)
-    for g in candidates(every=True):
-        compiled.clear()
-        with_tile(g, lambda: Q.quantize_128x128(w))
-        log, _ = ptxas_and_sass(compiled[-1])
-        regs, spill = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
-        print(f"{name(g):28s} regs {regs.group(1) if regs else '?':>4s} spill {spill.group(1) if spill else '?'}")
+    bench_quantize.DEV = "cpu"
+    bench_quantize.offline_sm90(lambda x, is_weight: [(name(g), None, lambda g=g: with_tile(g, lambda: Q.quantize_128x128(x.float())))
+                                       for g in candidates(every=True)], [((2, 256, 256), True)], None)
 
 
 def gpu(out_path: str | None) -> None:
