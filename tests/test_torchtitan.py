@@ -250,8 +250,10 @@ def test_converter_through_torchtitans_config_and_registry():
 
     cfg = ConfigManager().parse_args(["--job.custom_config_module", "mxmoe.integrations.torchtitan",
                                       "--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
-                                      "--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8"])
+                                      "--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8",
+                                      "--mxmoe.no-keep-fp8-weights"])
     assert cfg.model.converters == ["mxmoe"] and cfg.mxmoe.recipe == "mxfp8" and cfg.mxmoe.fused_swiglu
+    assert not cfg.mxmoe.keep_fp8_weights
     with torch.device("meta"):
         model = DeepSeekV3Model(debug_args(job_config=cfg))
     params = dict(model.named_parameters())
@@ -262,7 +264,7 @@ def test_converter_through_torchtitans_config_and_registry():
         utils.set_token_group_alignment_size_m(old)
     experts = [m for m in model.modules() if isinstance(m, MXMoEGroupedExperts)]
     assert len(experts) == 5  # the debug model's MoE layers
-    assert all(e.recipe.name == "mxfp8" for e in experts)
+    assert all(e.recipe.name == "mxfp8" and not e.keep_fp8_weights for e in experts)
     assert all(params[n] is p for n, p in model.named_parameters())  # the same parameters
 
 
@@ -422,29 +424,98 @@ def test_distributed_checkpoint_of_unconverted_model_loads_into_converted(tmp_pa
         assert torch.equal(v, sd_ref[k]), k
 
 
+class _Checkpointed(torch.nn.Module):
+    """The MoE layer under non-reentrant torch.utils.checkpoint, as torchtitan's activation checkpointing runs it."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+        self.router, self.experts = m.router, m.experts
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.m, x, use_reentrant=False)
+
+
 @needs_torchtitan
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_128"])
 @pytest.mark.parametrize("fused_swiglu", [True, False])
 def test_activation_checkpointing_of_moe_layer_gives_the_same_gradients(recipe, fused_swiglu):
     """torch.utils.checkpoint (non-reentrant, as torchtitan's) around the MoE layer with converted experts:
     the recomputed forward quantizes the same way, so output and gradients are bitwise the plain ones."""
-    from torch.utils.checkpoint import checkpoint
-
     m = converted(moe_layer(128, 128, 8, 2), recipe, fused_swiglu=fused_swiglu)
     x = tokens(96, 128)
-
-    class AC(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-            self.router, self.experts = m.router, m.experts
-
-        def forward(self, x):
-            return checkpoint(self.m, x, use_reentrant=False)
-
-    plain, ac = run(m, x), run(AC(m), x)
+    plain, ac = run(m, x), run(_Checkpointed(m), x)
     for a, b in zip(ac, plain):
         assert torch.equal(a, b)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("recipe", ["mxfp8_128", "mxfp8_128_lowmem", "mxfp8_128 keep off"])
+def test_checkpoint_recompute_takes_the_forwards_fp8_weights(recipe, monkeypatch):
+    """Under activation checkpointing with ``mxfp8_128`` the recompute takes the first forward's FP8 weight
+    operands: each weight quantized once a step, not twice (``_lowmem`` keeps none: the forward's two and dgrad's
+    requantization of w13 as before, plus the recompute's; nor does ``keep_fp8_weights=False``); output and
+    gradients bitwise the plain run's; nothing left on the module after backward. Without checkpointing nothing
+    is kept. An in-place update of a weight between forward and recompute makes the recompute quantize afresh."""
+    import mxmoe.integrations.torchtitan as tt
+    import mxmoe.ops.linear as linear
+
+    calls = []
+
+    def counted(w, *args, **kwargs):
+        calls.append(len(w) if isinstance(w, tuple) else 1)
+        return quantize_weight_both(w, *args, **kwargs)
+
+    from mxmoe.ops.quantization import quantize_weight_both
+
+    monkeypatch.setattr(tt, "quantize_weight_both", counted)
+    monkeypatch.setattr(linear, "quantize_weight_both", counted)
+    keep = recipe != "mxfp8_128 keep off"
+    recipe = recipe.split()[0]
+    m = converted(moe_layer(128, 128, 8, 2), recipe, keep_fp8_weights=keep)
+    x = tokens(96, 128)
+    plain = run(m, x)
+    assert calls == ([2, 1] if recipe == "mxfp8_128" else [2, 2])  # (w1, w3), w2; lowmem: w13 again in dgrad
+    assert m.experts._recompute_operands is None
+    calls.clear()
+    ck = _Checkpointed(m)
+    for p in m.parameters():
+        p.grad = None  # (not accumulated into plain's)
+    out = ck(x.clone().requires_grad_())
+    kept = m.experts._recompute_operands is not None
+    assert kept == (recipe == "mxfp8_128" and keep)
+    out.double().square().sum().backward()
+    assert m.experts._recompute_operands is None
+    assert calls == {(True, "mxfp8_128"): [2, 1], (False, "mxfp8_128"): [2, 1, 2, 1]}.get((keep, recipe), [2, 2, 2])
+    for a, b in zip(run(ck, x), plain):
+        assert torch.equal(a, b)
+    if kept:  # a weight changed in place after forward: the recompute requantizes
+        calls.clear()
+        out = ck(x.clone().requires_grad_())
+        with torch.no_grad():
+            m.experts.w2.mul_(2.0)
+        out.double().square().sum().backward()
+        assert calls == [2, 1, 2, 1] and m.experts._recompute_operands is None
+
+
+@needs_torchtitan
+def test_compiled_experts_under_checkpoint_take_the_kept_fp8_weights():
+    """The compiled experts (``torch.compile(fullgraph=True)``, as with ``--compile.enable``) take the kept
+    operands as graph inputs: under checkpointing, output and gradients bitwise the eager plain run's."""
+    torch._dynamo.reset()
+    m = converted(moe_layer(128, 128, 8, 2), "mxfp8_128")
+    x = tokens(96, 128)
+    plain = run(m, x)
+    m.experts.compile_backend = "aot_eager"
+    try:
+        for _ in range(2):  # the second step reuses the compiled graphs
+            for a, b in zip(run(_Checkpointed(m), x), plain):
+                assert torch.equal(a, b)
+            assert m.experts._recompute_operands is None
+    finally:
+        torch._C._dynamo.eval_frame._set_lru_cache(True)
 
 
 @needs_torchtitan

@@ -39,7 +39,7 @@ Selecting it, on the command line of torchtitan's trainer (``torchtitan.train``)
     --job.custom_config_module mxmoe.integrations.torchtitan --model.converters mxmoe --mxmoe.recipe mxfp8_128
 
 (``--job.custom_config_module`` imports this module, which registers the converter, and adds its
-``--mxmoe.*`` options: ``recipe``, ``fused_swiglu``, ``validate``.) From Python:
+``--mxmoe.*`` options: ``recipe``, ``fused_swiglu``, ``validate``, ``keep_fp8_weights``.) From Python:
 :func:`convert_grouped_experts` on a built model (torchtitan builds DeepSeek-V3 from args completed by
 ``args.update_from_config(JobConfig())``, as its trainer does; a CPU forward needs :func:`cpu_histc`).
 
@@ -79,7 +79,8 @@ except ImportError as e:  # torchtitan absent, or a release without these seams
 from mxmoe.moe import permute_plan
 from mxmoe.ops import grouped_linear, permute_tokens, unpermute
 from mxmoe.ops.activation import linear_swiglu
-from mxmoe.ops.linear import prequantized_operands
+from mxmoe.ops.linear import prequantized_operands, weight_operands_apply
+from mxmoe.ops.quantization import quantize_weight_both
 from mxmoe.recipes import Recipe, get_recipe
 
 TORCHTITAN_VERSION = "0.2.2"  # the release whose seams this module is written against (pyproject's extra)
@@ -106,17 +107,21 @@ class MXMoEGroupedExperts(GroupedExperts):
     Made from a built ``GroupedExperts`` by :meth:`convert` (in place: the parameters stay the module's).
     Attributes besides torchtitan's (``w1``, ``w2``, ``w3``, ``num_experts``, ``use_grouped_mm``, the
     last ignored): ``recipe`` (:class:`mxmoe.Recipe`), ``fused_swiglu``, ``validate`` (check shapes and
-    group offsets in every product; synchronizes with the GPU).
+    group offsets in every product; synchronizes with the GPU), ``keep_fp8_weights`` (under activation
+    checkpointing, the forward's FP8 weights kept for the recompute: :meth:`_weight_operands`).
     """
 
     recipe: Recipe
     fused_swiglu: bool
     validate: bool
+    keep_fp8_weights: bool = True
     compile_backend: "str | None" = None  # torch.compile backend of the experts (None: eager)
+    # (key, FP8 weight operands) of a checkpointed forward, kept for its recompute (_weight_operands)
+    _recompute_operands: "tuple | None" = None
 
     @classmethod
     def convert(cls, experts: GroupedExperts, recipe: "str | Recipe" = "mxfp8_128", fused_swiglu: bool = True,
-                validate: bool = False) -> "MXMoEGroupedExperts":
+                validate: bool = False, keep_fp8_weights: bool = True) -> "MXMoEGroupedExperts":
         """``experts`` (a torchtitan ``GroupedExperts``, or one already converted) made an mxmoe one, in
         place; returns it. Raises TypeError for other modules, ValueError for an unknown recipe or dims
         the recipe cannot take."""
@@ -127,6 +132,7 @@ class MXMoEGroupedExperts(GroupedExperts):
         rec.check_dims(dim, hidden)
         experts.__class__ = cls
         experts.recipe, experts.fused_swiglu, experts.validate = rec, bool(fused_swiglu), bool(validate)
+        experts.keep_fp8_weights, experts._recompute_operands = bool(keep_fp8_weights), None
         return experts
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -140,26 +146,60 @@ class MXMoEGroupedExperts(GroupedExperts):
         self.recipe.check_dims(w2.shape[1], w2.shape[2])  # python ints: the shard this rank holds
         ep = _expert_parallel(self.w1)
         run = run_experts if self.compile_backend is None else compiled_experts(self.compile_backend, ep)
-        return run(x, num_tokens_per_expert, w1, w2, w3, self.recipe, self.fused_swiglu, self.validate, ep)
+        return run(x, num_tokens_per_expert, w1, w2, w3, self.recipe, self.fused_swiglu, self.validate, ep,
+                   self._weight_operands(x, w1, w2, w3))
+
+    def _weight_operands(self, x, w1, w2, w3):
+        """The FP8 weight operands ``((w1; w3), w2)``, each :func:`~mxmoe.ops.quantize_weight_both`'s pair, for a
+        forward under activation checkpointing and its recompute; None elsewhere (the products quantize the
+        weights themselves).
+
+        A checkpointed block runs its forward twice a step on unchanged weights: in forward, and again in
+        backward to remake what it did not save. Where the recipe quantizes each weight once for both products
+        (square tiles, ``mxfp8_128``; not the ``_lowmem`` recipes, which trade time for memory) and
+        ``keep_fp8_weights`` is on, the first forward's operands are kept on the module, 2 bytes a weight, until
+        the recompute takes them, and the recompute reads no FP32 weight (FP32 weights: 6 bytes a weight moved
+        once a step instead of twice). Forward knows it is checkpointed (or offloaded) by the saved-tensor
+        hooks it runs under; forward code that runs inside backward is the recompute. The operands are used only
+        if the weights are the same tensors at the same version (an in-place update between the two requantizes).
+        """
+        rec, params = self.recipe, (self.w1, self.w3, self.w2)
+        if not (self.keep_fp8_weights and self.fused_swiglu and torch.is_grad_enabled() and not rec.requantize_weights
+                and any(p.requires_grad for p in params) and weight_operands_apply(rec, x, w1)):
+            return None
+        key = tuple((id(p), w._version, w.data_ptr()) for p, w in zip(params, (w1, w3, w2)))
+        if torch._C._current_graph_task_id() != -1:  # forward inside backward: a checkpoint's recompute
+            kept, self._recompute_operands = self._recompute_operands, None
+            return kept[1] if kept is not None and kept[0] == key else None
+        if torch._C._autograd._top_saved_tensors_default_hooks(True) is None:  # saved tensors kept as they are
+            self._recompute_operands = None
+            return None
+        with torch.no_grad():  # (no autograd record: the recompute, which skips this, must save what forward did)
+            ops = (quantize_weight_both((w1, w3), rec), quantize_weight_both(w2, rec))
+        self._recompute_operands = (key, ops)
+        return ops
 
 
 def run_experts(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor, recipe: Recipe, fused_swiglu: bool, validate: bool, expert_parallel: bool):
+                w3: torch.Tensor, recipe: Recipe, fused_swiglu: bool, validate: bool, expert_parallel: bool,
+                weight_operands: tuple | None = None):
     """:meth:`MXMoEGroupedExperts.forward` on local tensors (``w1 [E, F, D]``, ``w2 [E, D, F]``, ``w3 [E, F, D]``):
     ``x [R, D]`` expert-ordered rows -> ``[R, D]`` in x's dtype. ``expert_parallel``: torchtitan has padded the
-    groups to ``recipe.align`` (the rows past the counts' sum are padding); else they are padded here."""
+    groups to ``recipe.align`` (the rows past the counts' sum are padding); else they are padded here.
+    ``weight_operands``: ``((w1; w3), w2)`` already quantized, each ``(along K, along N)`` (fused SwiGLU only;
+    :meth:`MXMoEGroupedExperts._weight_operands`), or None."""
     xc = x.float() if recipe.compute_dtype == "float32" else x.bfloat16()
     counts = num_tokens_per_expert.to(torch.int64)
     if expert_parallel:  # padded by torchtitan (TOKEN_GROUP_ALIGN_SIZE_M = recipe.align)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         offs[-1:].fill_(x.shape[0])  # the last group takes the slack rows (zeros)
-        return _experts(xc, w1, w2, w3, offs, recipe, fused_swiglu, validate).type_as(x)
+        return _experts(xc, w1, w2, w3, offs, recipe, fused_swiglu, validate, None, weight_operands).type_as(x)
     n = x.shape[0]
     expert_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=n)
     slot_rows, offs, rows, _ = permute_plan(expert_of_row[:, None], counts.numel(), recipe.align)
     # the padding gather fused with the first product's quantization where the route allows (w1: its K, dtype)
     xp, xp_mx = permute_tokens(xc, slot_rows, rows, 1, recipe, w1)
-    yp = _experts(xp, w1, w2, w3, offs, recipe, fused_swiglu, validate, xp_mx)
+    yp = _experts(xp, w1, w2, w3, offs, recipe, fused_swiglu, validate, xp_mx, weight_operands)
     return unpermute(yp, slot_rows).type_as(x)  # backward: a gather, not index_select's atomic index_add
 
 
@@ -183,9 +223,10 @@ def compiled_experts(backend: str, expert_parallel: bool = False):
     return _COMPILED[key]
 
 
-def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool, x_mx=None):
+def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool, x_mx=None, w_ops=None):
     """The SwiGLU experts on padded groups (``offs`` int32 end rows, the last ``x.shape[0]``); ``x_mx``: x's
-    MXFP8 copies from the fused permutation (:func:`~mxmoe.ops.permute_tokens`), or None."""
+    MXFP8 copies from the fused permutation (:func:`~mxmoe.ops.permute_tokens`), or None; ``w_ops``: the weights'
+    FP8 operands (:func:`run_experts`'s ``weight_operands``), or None."""
     pre = prequantized_operands(x_mx)
     v_x = v and x_mx is None  # prequantized operands are checked by their maker, not re-validated
     if not fused_swiglu:
@@ -194,16 +235,20 @@ def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool, x_mx
         return grouped_linear(h, w2, offs, rec, validate=v)
     # one product with cat(w1, w3) [E, 2F, D] (gate rows [:F], up rows [F:], mxmoe.MoE's w13), each part's
     # dW its own wgrad output: no copy of a concatenated gradient into w1.grad / w3.grad
-    a, a_mx = linear_swiglu(x, (w1, w3), offs, rec, w2, validate=v_x, **pre)  # a = SwiGLU(h [R, 2F]), quantized
-    return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, **prequantized_operands(a_mx))
+    w13_mx, w2_mx = w_ops or (None, None)
+    a, a_mx = linear_swiglu(x, (w1, w3), offs, rec, w2, validate=v_x, w_mx=w13_mx, **pre)  # a = SwiGLU(h), quantized
+    return grouped_linear(a, w2, offs, rec, validate=v and a_mx is None, w_mx=w2_mx, **prequantized_operands(a_mx))
 
 
 def convert_grouped_experts(model: nn.Module, recipe: "str | Recipe" = "mxfp8_128", fused_swiglu: bool = True,
-                            validate: bool = False, compile_backend: "str | None" = None) -> list[str]:
+                            validate: bool = False, compile_backend: "str | None" = None,
+                            keep_fp8_weights: bool = True) -> list[str]:
     """Every torchtitan ``GroupedExperts`` of ``model`` made :class:`MXMoEGroupedExperts` (in place), and
     torchtitan's expert-parallel group padding set to the recipe's alignment. Returns the converted
     modules' names. ``compile_backend``: run the experts under ``torch.compile(fullgraph=True)`` with that
-    backend (e.g. ``"inductor"``; :func:`compiled_experts`), None: eager.
+    backend (e.g. ``"inductor"``; :func:`compiled_experts`), None: eager. ``keep_fp8_weights``: under
+    activation checkpointing, keep the forward's FP8 weights for the recompute
+    (:meth:`MXMoEGroupedExperts._weight_operands`).
 
     Raises:
         ValueError: unknown recipe; expert dims the recipe cannot take; a model without GroupedExperts.
@@ -215,7 +260,8 @@ def convert_grouped_experts(model: nn.Module, recipe: "str | Recipe" = "mxfp8_12
         raise ValueError("mxmoe's converter found no torchtitan GroupedExperts (no MoE layers) to convert"
                          + (f"; experts of other kinds are not converted: {others}" if others else ""))
     for n in names:
-        MXMoEGroupedExperts.convert(model.get_submodule(n), rec, fused_swiglu, validate).compile_backend = compile_backend
+        e = MXMoEGroupedExperts.convert(model.get_submodule(n), rec, fused_swiglu, validate, keep_fp8_weights)
+        e.compile_backend = compile_backend
     # torchtitan's ExpertParallel pads to this after its all-to-all (typed Literal[8, 16, 32]; a plain int)
     _moe_utils.set_token_group_alignment_size_m(rec.align)
     return names
@@ -256,6 +302,9 @@ class MXMoEOptions:
     """one product with cat(w1, w3) and mxmoe's SwiGLU (default), or torchtitan's three products"""
     validate: bool = False
     """check shapes and group offsets in every product (synchronizes with the GPU; for debugging)"""
+    keep_fp8_weights: bool = True
+    """under activation checkpointing, keep a checkpointed layer's FP8 weights (2 bytes a weight) from its forward
+    for its recompute, which then reads no FP32 weight (mxfp8_128; --mxmoe.no-keep-fp8-weights: quantize again)"""
 
 
 @dataclass
@@ -279,7 +328,7 @@ class MXMoEConverter:
 
     def convert(self, model: nn.Module) -> None:
         o = self.options
-        convert_grouped_experts(model, o.recipe, o.fused_swiglu, o.validate, self.compile_backend)
+        convert_grouped_experts(model, o.recipe, o.fused_swiglu, o.validate, self.compile_backend, o.keep_fp8_weights)
 
     def post_optimizer_hook(self, model) -> None:
         pass

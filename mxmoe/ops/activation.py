@@ -9,8 +9,8 @@ from torch.autograd.function import once_differentiable
 from mxmoe.backend import Backend, resolve
 from mxmoe.formats import BLOCK, MXTensor
 from mxmoe.kernels.dispatch import layer_ops_for
-from mxmoe.ops.linear import (MXOperands, fused_fp8, fused_qdq, grad_handle, grouped_linear, linear_backward,
-                              linear_forward)
+from mxmoe.ops.linear import (MXOperands, check_weight_operands, fused_fp8, fused_qdq, grad_handle, grouped_linear,
+                              linear_backward, linear_forward)
 from mxmoe.ops.quantization import quantize
 from mxmoe.ops.saved import pack, unpack
 from mxmoe.recipes import Recipe, get_recipe
@@ -161,10 +161,10 @@ class _MXLinearSwiGLU(torch.autograd.Function):
     with ``save_h_fp8``, its MXFP8 copy along 2F in 1x128 groups, written by the SwiGLU kernel's read of h)."""
 
     @staticmethod
-    def forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, save_h_fp8: bool, *ws):
+    def forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, w_mx, be: Backend, save_h_fp8: bool, *ws):
         from mxmoe.kernels import dispatch
 
-        h, saved = linear_forward(ctx, x, offs, recipe, x_mx, x_wgrad, be, ws)
+        h, saved = linear_forward(ctx, x, offs, recipe, x_mx, x_wgrad, be, ws, w_mx)
         rule = recipe.scale_rule
         data, scale, data_t, scale_t, qh, sh = dispatch.swiglu_quantize_128(h, rule, save_h_fp8)
         hs, ctx.h_meta = pack(MXTensor(qh, sh, 1, rule, (1, 128)) if save_h_fp8 else h)
@@ -178,20 +178,21 @@ class _MXLinearSwiGLU(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, da, *_):
         if da is None:  # a took no part in the loss
-            return (None,) * (7 + len(ctx.splits))
+            return (None,) * (8 + len(ctx.splits))
         from mxmoe.kernels import dispatch
 
         saved = ctx.saved_tensors
         h = unpack(saved[ctx.n_linear:], ctx.h_meta)
         dhq, dhq_rows = dispatch.swiglu_backward_quantize_128(da.contiguous(), h, ctx.recipe.scale_rule)
         dx, dws = linear_backward(ctx, saved[:ctx.n_linear], None, ctx.needs_input_grad[0],
-                                  any(ctx.needs_input_grad[7:]), dhq, dhq_rows.mT)
-        return dx, None, None, None, None, None, None, *dws
+                                  any(ctx.needs_input_grad[8:]), dhq, dhq_rows.mT)
+        return dx, None, None, None, None, None, None, None, *dws
 
 
 def linear_swiglu(x: torch.Tensor, w: "torch.Tensor | tuple[torch.Tensor, ...]", offs: torch.Tensor,
                   recipe: "str | Recipe" = "bf16", w_next: torch.Tensor | None = None, x_mx: MXTensor | None = None,
-                  x_wgrad: MXTensor | None = None, validate: bool = False, *, backend: Backend | None = None):
+                  x_wgrad: MXTensor | None = None, validate: bool = False, *,
+                  w_mx: "tuple[MXTensor, MXTensor] | None" = None, backend: Backend | None = None):
     """The experts' up projection and SwiGLU: ``swiglu(grouped_linear(x, w, offs, recipe, validate, x_mx, x_wgrad),
     recipe, w_next)``, the same ``(a, a_wgrad)`` (:func:`swiglu`'s contract), values and gradients. With
     ``MXMOE_FUSED_SWIGLU_BWD=1`` (``backend.fused_swiglu_bwd``), where both products take the Hopper promote-per-128
@@ -206,6 +207,7 @@ def linear_swiglu(x: torch.Tensor, w: "torch.Tensor | tuple[torch.Tensor, ...]",
         w: ``[E, 2F, K]``, the gate and up projections stacked (gate first), or its parts along 2F (e.g. the
             gate and up weights ``[E, F, K]``: :func:`~mxmoe.ops.linear.grouped_linear`'s weight parts).
         offs: int32 ``[E]`` group ends. w_next: the down projection's weight ``[E, D, F]``, which takes a.
+        w_mx: w already quantized for both its products (:func:`~mxmoe.ops.linear.grouped_linear`'s contract).
         validate: :func:`~mxmoe.ops.linear.grouped_linear`'s checks (and its raises), on the unfused path.
     """
     recipe = get_recipe(recipe)
@@ -213,13 +215,16 @@ def linear_swiglu(x: torch.Tensor, w: "torch.Tensor | tuple[torch.Tensor, ...]",
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     f = sum(p.shape[1] for p in ws) // 2
     if not validate and be.fused_swiglu_bwd and fused_fp8(x, x.shape[0], f, recipe, w_next, be):
+        if w_mx is not None:  # (the unfused path's grouped_linear checks it)
+            check_weight_operands(x, ws, w_mx, recipe, be, values=False)
         from mxmoe.kernels.quantize import columnwise_mxtensor, rowwise_mxtensor
 
         save_fp8 = (recipe.swiglu_input_fp8 and torch.is_grad_enabled()
                     and (x.requires_grad or any(p.requires_grad for p in ws)))
         g, rule = (1, 128), recipe.scale_rule
-        handle, data, scale, data_t, scale_t = _MXLinearSwiGLU.apply(x, offs, recipe, x_mx, x_wgrad, be, save_fp8,
-                                                                     *ws)
+        handle, data, scale, data_t, scale_t = _MXLinearSwiGLU.apply(x, offs, recipe, x_mx, x_wgrad, w_mx, be,
+                                                                     save_fp8, *ws)
         return handle, MXOperands(rowwise_mxtensor(data, scale, rule, g), columnwise_mxtensor(data_t, scale_t, rule, g))
-    h = grouped_linear(x, w, offs, recipe, validate=validate, x_mx=x_mx, x_wgrad=x_wgrad, backend=be)  # [M, 2F]
+    h = grouped_linear(x, w, offs, recipe, validate=validate, x_mx=x_mx, x_wgrad=x_wgrad, w_mx=w_mx,
+                       backend=be)  # [M, 2F]
     return swiglu(h, recipe, w_next, backend=be)

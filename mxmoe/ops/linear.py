@@ -93,6 +93,39 @@ def _check_prequantized(x, x_mx, x_wgrad, recipe: Recipe) -> None:
             raise ValueError("x_wgrad must be x's tensor quantized along tokens (axis 0); it is far from x")
 
 
+def weight_operands_apply(recipe: "str | Recipe", x: torch.Tensor, w: torch.Tensor,
+                          backend: Backend | None = None) -> bool:
+    """Whether the MX product of ``x`` with the weight ``w`` quantizes the weight once for both its products
+    (fprop along K, dgrad along N): square weight tiles off the Hopper expansion route, e.g. ``mxfp8_128``. There
+    :func:`grouped_linear` takes the weight already quantized (``w_mx``, :func:`quantize_weight_both`'s pair)."""
+    recipe = get_recipe(recipe)
+    return (recipe.mxfp8 and recipe.weight_block > 1
+            and _expansion(x, w, recipe, backend or resolve(x.device)) is None)
+
+
+def check_weight_operands(x: torch.Tensor, ws: tuple, w_mx, recipe: Recipe, be: Backend, values: bool) -> None:
+    """grouped_linear's ``w_mx`` contract (see there), its values against a fresh quantization of ``ws`` when
+    ``values`` (synchronizes with the GPU); raises TypeError / ValueError."""
+    if not (isinstance(w_mx, (tuple, list)) and len(w_mx) == 2 and all(is_mx(t) for t in w_mx)):
+        raise TypeError(f"w_mx must be a pair of MXTensors (the weight along K, along N), got {type(w_mx).__name__}")
+    if not weight_operands_apply(recipe, x, ws[0], be):
+        raise ValueError(f"w_mx is for products that quantize their weight once for both orientations (square tiles "
+                         f"off the Hopper expansion route, e.g. mxfp8_128); the {recipe.name} recipe here does not")
+    shape = (ws[0].shape[0], sum(p.shape[1] for p in ws), ws[0].shape[2])
+    tile = (recipe.weight_block, recipe.weight_block)
+    for name, t, axis in (("w_mx[0]", w_mx[0], 2), ("w_mx[1]", w_mx[1], 1)):
+        if tuple(t.shape) != shape or t.axis != axis or t.block != tile or t.scale_rule != recipe.scale_rule:
+            raise ValueError(f"{name} must be the weight {shape} quantized along axis {axis} in {tile} tiles with the "
+                             f"recipe's {recipe.scale_rule!r} rule, got {t!r}")
+    if values:
+        ref = quantize_weight_both(ws if len(ws) > 1 else ws[0], recipe, be)
+        for t, r in zip(w_mx, ref):
+            if not (torch.equal(t.data.view(torch.uint8), r.data.view(torch.uint8))
+                    and torch.equal(t.scale.view(torch.uint8), r.scale.view(torch.uint8))):
+                raise ValueError("w_mx must be quantize_weight_both of the weight w; its bytes differ (w changed "
+                                 "since w_mx was made?)")
+
+
 def _weight_along_n(w: "torch.Tensor | tuple[torch.Tensor, ...]", recipe: Recipe, expansion: bool, be: Backend):
     """dgrad's weight operand ``[E, N, K]`` quantized along N, from the parameter: its BF16 values on
     the Hopper expansion route (1x32: a transposed view; 32x32: the tile values, row-major), else an
@@ -119,23 +152,26 @@ class _MXGroupedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, be: Backend, *ws):
+    def forward(ctx, x, offs, recipe: Recipe, x_mx: MXTensor | None, x_wgrad: MXTensor | None, w_mx, be: Backend,
+                *ws):
         # ws: the weight, or its parts along N (their concatenation is the weight; each gets its own dW)
-        y, saved = linear_forward(ctx, x, offs, recipe, x_mx, x_wgrad, be, ws)
+        y, saved = linear_forward(ctx, x, offs, recipe, x_mx, x_wgrad, be, ws, w_mx)
         ctx.save_for_backward(*saved)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        dx, dws = linear_backward(ctx, ctx.saved_tensors, dy, ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:]))
-        return dx, None, None, None, None, None, *dws
+        dx, dws = linear_backward(ctx, ctx.saved_tensors, dy, ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:]))
+        return dx, None, None, None, None, None, None, *dws
 
 
-def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws: tuple) -> tuple[torch.Tensor, list]:
+def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws: tuple,
+                   w_mx: "tuple[MXTensor, MXTensor] | None" = None) -> tuple[torch.Tensor, list]:
     """The MX expert product's forward inside an autograd Function's ``forward`` (:class:`_MXGroupedLinear`, and
     the down projection fused with the combine, :mod:`mxmoe.ops.tokens`): ``(y, tensors to save)``; the
-    Function saves those first (with its own after them) and passes them to :func:`linear_backward`."""
+    Function saves those first (with its own after them) and passes them to :func:`linear_backward`. ``w_mx``:
+    the weight's FP8 operands made upstream (:func:`grouped_linear`'s contract), used instead of quantizing."""
     ctx.splits = [p.shape[1] for p in ws]
     rule, g = recipe.scale_rule, recipe.act_block
     exp = _expansion(x, ws[0], recipe, be)
@@ -157,7 +193,9 @@ def linear_forward(ctx, x, offs, recipe: Recipe, x_mx, x_wgrad, be: Backend, ws:
     else:
         xq = exp.qdq_rowwise(x.detach(), rule) if exp else quantize(x, -1, rule, g, backend=be)
     tile32 = recipe.weight_block == BLOCK
-    if exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
+    if w_mx is not None:  # quantized upstream (e.g. kept from the first forward for a checkpoint's recompute)
+        wq, w_dgrad = w_mx
+    elif exp is not None and recipe.requantize_weights:  # BF16 values along K only; dgrad requantizes
         wq, w_dgrad = exp.qdq_rowwise(w.detach(), rule, tile32), None
     elif exp is not None:
         # Weights along K as BF16 values (fprop) + FP8 along N kept for dgrad (for 32x32 tiles the
@@ -292,7 +330,8 @@ def _check_args(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: Re
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe: "str | Recipe" = "mxfp8",
                    validate: bool = True, x_mx: MXTensor | None = None,
-                   x_wgrad: MXTensor | None = None, *, backend: Backend | None = None) -> torch.Tensor:
+                   x_wgrad: MXTensor | None = None, *, w_mx: "tuple[MXTensor, MXTensor] | None" = None,
+                   backend: Backend | None = None) -> torch.Tensor:
     """Expert linear layer ``y[rows of e] = x[rows of e] @ w[e]^T`` with autograd.
 
     The three GEMMs (docs/DESIGN.md §4): fprop contracts K (x and W quantized along K), dgrad contracts N
@@ -323,6 +362,11 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             FP8 copy along tokens (``[M, K]``, axis 0, ``M % 32 == 0``): fprop uses ``x`` and wgrad
             ``x_wgrad`` without quantizing again. ``validate`` checks that x is unchanged by
             quantization (so every route computes the same product).
+        w_mx: optional, the weight already quantized for both products, ``(along K, along N)`` as
+            :func:`~mxmoe.ops.quantization.quantize_weight_both` returns them for ``w`` (its parts'
+            concatenation), where :func:`weight_operands_apply` (square tiles, e.g. ``mxfp8_128``): fprop and
+            dgrad use them without quantizing w; ``w`` stays the autograd handle of dW. E.g. the first
+            forward's operands kept for an activation checkpoint's recompute. ``validate`` checks their bytes.
         backend: the kernels (:func:`mxmoe.backend.resolve` of ``x.device`` by default); the backward
             uses the forward's.
     Returns:
@@ -330,7 +374,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     Raises:
         ValueError: shape mismatch, x and w on two devices, K or N not divisible by 32 under MXFP8, bad offsets, MX-wgrad
             groups not on 32-row boundaries, ``x_mx`` / ``x_wgrad`` not matching x and the recipe.
-        TypeError: x or w not float16 / bfloat16 / float32 / float64 (integer or FP8 tensors), ``x_mx`` / ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``.
+        TypeError: x or w not float16 / bfloat16 / float32 / float64 (integer or FP8 tensors), ``x_mx`` /
+            ``x_wgrad`` not MXTensors, x not bfloat16 with ``x_wgrad``, ``w_mx`` not a pair of MXTensors.
+        ValueError (``w_mx``): a recipe or route that quantizes the weight per product, shapes, tiles or rule not
+            the weight's; with ``validate``, bytes not quantize_weight_both's of w.
 
     Under ``mxfp8_bf16_wgrad`` dW comes from a plain product in ``recipe.compute_dtype``: BF16
     ``torch._grouped_mm`` by default, which writes BF16, so dW is rounded to BF16 as in the ``bf16``
@@ -339,6 +386,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     recipe = get_recipe(recipe)
     be = backend or resolve(x.device)
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    if w_mx is not None and ws:
+        check_weight_operands(x, ws, w_mx, recipe, be, values=validate)
     if validate:
         if not ws:
             raise ValueError("grouped_linear: w is an empty tuple of weight parts")
@@ -354,9 +403,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
             keep = (torch.arange(x.shape[0], device=x.device) < end).unsqueeze(1)
             x = torch.where(keep, x, 0)
             return torch.where(keep, grouped_linear(x, w, offs, recipe, validate=False, x_mx=x_mx,
-                                                    x_wgrad=x_wgrad, backend=be), 0)
+                                                    x_wgrad=x_wgrad, w_mx=w_mx, backend=be), 0)
     if recipe.mxfp8:
-        return _MXGroupedLinear.apply(x, offs, recipe, x_mx, x_wgrad, be, *ws)
+        return _MXGroupedLinear.apply(x, offs, recipe, x_mx, x_wgrad, w_mx, be, *ws)
     w = ws[0] if len(ws) == 1 else torch.cat(ws, dim=1)  # (autograd splits the gradient)
     dt = getattr(torch, recipe.compute_dtype)
     if dt == torch.bfloat16 and w.dtype == torch.float32 and layer_ops_for(w, be) is not None:
