@@ -16,8 +16,8 @@ Methods (``METHODS``): ``bf16`` torchtitan's ``GroupedExperts``; ``torchao_fp8``
 GEMMs on the experts, shared ones included where a model has them (``torchao.fp8_grouped``: torchtitan's ``quantize.grouped_mm.float8`` needs an API
 torchao 0.18 dropped, see torchtitan_job.py); ``mxfp8_128``, ``mxfp8_128_lowmem``, ``mxfp8`` mxmoe's converter;
 ``*+linear_fp8`` the same with torchtitan's ``quantize.linear.float8`` (rowwise; LM head and router gate left
-out) on the dense linears; ``mxfp8_128+no_keep`` ``mxfp8_128`` with ``--mxmoe.no-keep-fp8-weights`` (the
-checkpointed layers' recompute quantizes the weights again, as before that default). Every run: ``--compile.enable`` (mxmoe's experts compiled too, fullgraph) and
+out) on the dense linears; ``mxfp8_128+keep`` ``mxfp8_128`` with ``--mxmoe.keep-fp8-weights`` (the checkpointed
+layers keep their forward's FP8 weights for the recompute). Every run: ``--compile.enable`` (mxmoe's experts compiled too, fullgraph) and
 selective activation checkpointing, seed 0, the same data order.
 
 Per run (a row): ``tokens_per_s`` median of torchtitan's logged intervals after the warm-up steps (``--warmup``,
@@ -91,11 +91,11 @@ METHODS = {
     "torchao_fp8+linear_fp8": ["--model.converters", "torchao.fp8_grouped,quantize.linear.float8"] + _LINEAR_FP8,
     "mxfp8_128+linear_fp8": ["--model.converters", "mxmoe,quantize.linear.float8", "--mxmoe.recipe", "mxfp8_128"]
     + _LINEAR_FP8,
-    # the checkpointed layers' recompute quantizes the weights again (mxmoe's default keeps the forward's FP8)
-    "mxfp8_128+no_keep": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8_128", "--mxmoe.no-keep-fp8-weights"],
+    # the checkpointed layers keep their forward's FP8 weights for the recompute (memory for time)
+    "mxfp8_128+keep": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8_128", "--mxmoe.keep-fp8-weights"],
 }
 MX_RECIPE = {"mxfp8_128": "mxfp8_128", "mxfp8_128_lowmem": "mxfp8_128_lowmem", "mxfp8": "mxfp8",
-             "mxfp8_128+linear_fp8": "mxfp8_128", "mxfp8_128+no_keep": "mxfp8_128"}
+             "mxfp8_128+linear_fp8": "mxfp8_128", "mxfp8_128+keep": "mxfp8_128"}
 DEFAULT_PLAN = [("dsv3-16b", m) for m in METHODS] + [
     (mod, m) for mod in ("qwen3-30b-a3b", "llama4-17bx16e")
     for m in ("bf16", "torchao_fp8", "mxfp8_128", "mxfp8_128_lowmem", "mxfp8")]

@@ -251,9 +251,11 @@ def test_converter_through_torchtitans_config_and_registry():
     cfg = ConfigManager().parse_args(["--job.custom_config_module", "mxmoe.integrations.torchtitan",
                                       "--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
                                       "--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8",
-                                      "--mxmoe.no-keep-fp8-weights"])
+                                      "--mxmoe.keep-fp8-weights"])
     assert cfg.model.converters == ["mxmoe"] and cfg.mxmoe.recipe == "mxfp8" and cfg.mxmoe.fused_swiglu
-    assert not cfg.mxmoe.keep_fp8_weights
+    assert cfg.mxmoe.keep_fp8_weights
+    default = ConfigManager().parse_args(["--job.custom_config_module", "mxmoe.integrations.torchtitan"])
+    assert not default.mxmoe.keep_fp8_weights  # off by default: it holds 2 bytes a weight through the peak
     with torch.device("meta"):
         model = DeepSeekV3Model(debug_args(job_config=cfg))
     params = dict(model.named_parameters())
@@ -264,7 +266,7 @@ def test_converter_through_torchtitans_config_and_registry():
         utils.set_token_group_alignment_size_m(old)
     experts = [m for m in model.modules() if isinstance(m, MXMoEGroupedExperts)]
     assert len(experts) == 5  # the debug model's MoE layers
-    assert all(e.recipe.name == "mxfp8" and not e.keep_fp8_weights for e in experts)
+    assert all(e.recipe.name == "mxfp8" and e.keep_fp8_weights for e in experts)
     assert all(params[n] is p for n, p in model.named_parameters())  # the same parameters
 
 
@@ -454,9 +456,9 @@ def test_activation_checkpointing_of_moe_layer_gives_the_same_gradients(recipe, 
 @needs_torchtitan
 @pytest.mark.parametrize("recipe", ["mxfp8_128", "mxfp8_128_lowmem", "mxfp8_128 keep off"])
 def test_checkpoint_recompute_takes_the_forwards_fp8_weights(recipe, monkeypatch):
-    """Under activation checkpointing with ``mxfp8_128`` the recompute takes the first forward's FP8 weight
-    operands: each weight quantized once a step, not twice (``_lowmem`` keeps none: the forward's two and dgrad's
-    requantization of w13 as before, plus the recompute's; nor does ``keep_fp8_weights=False``); output and
+    """Under activation checkpointing with ``mxfp8_128`` and ``keep_fp8_weights`` the recompute takes the first
+    forward's FP8 weight operands: each weight quantized once a step, not twice (``_lowmem`` keeps none: the forward's
+    two and dgrad's requantization of w13 as before, plus the recompute's; nor does the default, off); output and
     gradients bitwise the plain run's; nothing left on the module after backward. Without checkpointing nothing
     is kept. An in-place update of a weight between forward and recompute makes the recompute quantize afresh."""
     import mxmoe.integrations.torchtitan as tt

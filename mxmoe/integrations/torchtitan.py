@@ -114,14 +114,14 @@ class MXMoEGroupedExperts(GroupedExperts):
     recipe: Recipe
     fused_swiglu: bool
     validate: bool
-    keep_fp8_weights: bool = True
+    keep_fp8_weights: bool = False
     compile_backend: "str | None" = None  # torch.compile backend of the experts (None: eager)
     # (key, FP8 weight operands) of a checkpointed forward, kept for its recompute (_weight_operands)
     _recompute_operands: "tuple | None" = None
 
     @classmethod
     def convert(cls, experts: GroupedExperts, recipe: "str | Recipe" = "mxfp8_128", fused_swiglu: bool = True,
-                validate: bool = False, keep_fp8_weights: bool = True) -> "MXMoEGroupedExperts":
+                validate: bool = False, keep_fp8_weights: bool = False) -> "MXMoEGroupedExperts":
         """``experts`` (a torchtitan ``GroupedExperts``, or one already converted) made an mxmoe one, in
         place; returns it. Raises TypeError for other modules, ValueError for an unknown recipe or dims
         the recipe cannot take."""
@@ -159,7 +159,8 @@ class MXMoEGroupedExperts(GroupedExperts):
         (square tiles, ``mxfp8_128``; not the ``_lowmem`` recipes, which trade time for memory) and
         ``keep_fp8_weights`` is on, the first forward's operands are kept on the module, 2 bytes a weight, until
         the recompute takes them, and the recompute reads no FP32 weight (FP32 weights: 6 bytes a weight moved
-        once a step instead of twice). Forward knows it is checkpointed (or offloaded) by the saved-tensor
+        once a step instead of twice). Off by default: they are held through the start of backward, where a
+        training step's memory peaks. Forward knows it is checkpointed (or offloaded) by the saved-tensor
         hooks it runs under; forward code that runs inside backward is the recompute. The operands are used only
         if the weights are the same tensors at the same version (an in-place update between the two requantizes).
         """
@@ -242,7 +243,7 @@ def _experts(x, w1, w2, w3, offs, rec: Recipe, fused_swiglu: bool, v: bool, x_mx
 
 def convert_grouped_experts(model: nn.Module, recipe: "str | Recipe" = "mxfp8_128", fused_swiglu: bool = True,
                             validate: bool = False, compile_backend: "str | None" = None,
-                            keep_fp8_weights: bool = True) -> list[str]:
+                            keep_fp8_weights: bool = False) -> list[str]:
     """Every torchtitan ``GroupedExperts`` of ``model`` made :class:`MXMoEGroupedExperts` (in place), and
     torchtitan's expert-parallel group padding set to the recipe's alignment. Returns the converted
     modules' names. ``compile_backend``: run the experts under ``torch.compile(fullgraph=True)`` with that
@@ -302,9 +303,9 @@ class MXMoEOptions:
     """one product with cat(w1, w3) and mxmoe's SwiGLU (default), or torchtitan's three products"""
     validate: bool = False
     """check shapes and group offsets in every product (synchronizes with the GPU; for debugging)"""
-    keep_fp8_weights: bool = True
+    keep_fp8_weights: bool = False
     """under activation checkpointing, keep a checkpointed layer's FP8 weights (2 bytes a weight) from its forward
-    for its recompute, which then reads no FP32 weight (mxfp8_128; --mxmoe.no-keep-fp8-weights: quantize again)"""
+    for its recompute, which then reads no FP32 weight (mxfp8_128): faster, but held through the step's peak"""
 
 
 @dataclass
