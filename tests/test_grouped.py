@@ -180,19 +180,21 @@ def test_prequantized_input_is_used_as_is_and_requantizing_is_lossless():
         grouped_linear(xd, w, offsets(sizes), "mxfp8", x_mx=mxmoe.quantize(x, axis=0))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("parts", [1, 2])
-def test_prequantized_weight_operands_give_the_same_numbers(parts):
+def test_prequantized_weight_operands_give_the_same_numbers(parts, device):
     """``w_mx`` (quantize_weight_both's pair, as the torchtitan experts keep it for a checkpoint's recompute): the
-    product's output and dx, dW bitwise those of quantizing w itself, weight parts included; each wrong operand
-    named in a clear error, and under validate a stale one (w changed since)."""
+    product's output and dx, dW bitwise those of quantizing w itself, weight parts included (on CUDA the 128x128
+    parts kernel and the promote-per-128 products), empty expert included; each wrong operand named in a clear
+    error, and under validate a stale one (w changed since)."""
     from mxmoe.ops.linear import weight_operands_apply
     from mxmoe.ops.quantization import quantize_weight_both
     from mxmoe.recipes import get_recipe
 
     g = torch.Generator().manual_seed(11)
     sizes = [128, 0, 256]
-    x = torch.randn(384, 256, generator=g).bfloat16()
-    ws = tuple(torch.randn(3, 256 // parts, 256, generator=g) for _ in range(parts))
+    x = torch.randn(384, 256, generator=g).bfloat16().to(device)
+    ws = tuple(torch.randn(3, 256 // parts, 256, generator=g).to(device) for _ in range(parts))
     w = ws if parts > 1 else ws[0]
     w_mx = quantize_weight_both(w, get_recipe("mxfp8_128"))
     assert weight_operands_apply("mxfp8_128", x, ws[0]) and not weight_operands_apply("mxfp8", x, ws[0])
@@ -200,22 +202,23 @@ def test_prequantized_weight_operands_give_the_same_numbers(parts):
     def run(**kw):
         xx = x.clone().requires_grad_()
         pp = [p.clone().requires_grad_() for p in ws]
-        y = grouped_linear(xx, tuple(pp) if parts > 1 else pp[0], offsets(sizes), "mxfp8_128", **kw)
+        y = grouped_linear(xx, tuple(pp) if parts > 1 else pp[0], offsets(sizes).to(device), "mxfp8_128", **kw)
         y.float().square().sum().backward()
         return [y, xx.grad] + [p.grad for p in pp]
 
     for a, b in zip(run(w_mx=w_mx), run()):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(run(w_mx=w_mx, validate=False), run()))
+    offs = offsets(sizes).to(device)
     with pytest.raises(TypeError, match="pair of MXTensors"):
-        grouped_linear(x, w, offsets(sizes), "mxfp8_128", w_mx=w_mx[0])
+        grouped_linear(x, w, offs, "mxfp8_128", w_mx=w_mx[0])
     with pytest.raises(ValueError, match="does not"):
-        grouped_linear(x, w, offsets(sizes), "mxfp8", w_mx=w_mx)
+        grouped_linear(x, w, offs, "mxfp8", w_mx=w_mx)
     with pytest.raises(ValueError, match="along axis 1"):
-        grouped_linear(x, w, offsets(sizes), "mxfp8_128", w_mx=(w_mx[0], w_mx[0]))
+        grouped_linear(x, w, offs, "mxfp8_128", w_mx=(w_mx[0], w_mx[0]))
     with pytest.raises(ValueError, match="bytes differ"):
         stale = tuple(p * 2 for p in ws)
-        grouped_linear(x, stale if parts > 1 else stale[0], offsets(sizes), "mxfp8_128", w_mx=w_mx)
+        grouped_linear(x, stale if parts > 1 else stale[0], offs, "mxfp8_128", w_mx=w_mx)
 
 
 def test_bf16_odd_shapes_fall_back_to_the_reference():

@@ -727,6 +727,29 @@ def test_gpu_experts_fused_permute_and_unpermute(recipe, fused_swiglu, monkeypat
 
 
 @needs_torchtitan
+@pytest.mark.gpu
+def test_gpu_checkpointed_experts_keep_their_fp8_weights_for_the_recompute():
+    """On CUDA (the sm_90 promote-per-128 route, FP32 parameters as in a one-GPU torchtitan run): the MoE layer
+    under checkpointing with ``keep_fp8_weights`` gives the plain layer's output and gradients bit for bit, eager;
+    compiled by inductor, within FP32-summation noise of eager; nothing kept after backward."""
+    torch._dynamo.reset()
+    base = moe_layer(256, 384, 7, 2).cuda()
+    x = tokens(1024, 256).cuda()
+    plain = run(converted(base, "mxfp8_128"), x)
+    for backend in (None, "inductor"):
+        m = converted(base, "mxfp8_128", keep_fp8_weights=True)
+        m.experts.compile_backend = backend
+        try:
+            out = run(_Checkpointed(m), x)
+        finally:
+            torch._C._dynamo.eval_frame._set_lru_cache(True)
+        assert m.experts._recompute_operands is None
+        for a, b in zip(out, plain):
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b) if backend is None else rel(a, b) < 1e-3
+
+
+@needs_torchtitan
 def test_suite_flavors_hold_the_suite_tokenizers_vocabulary():
     """Every model of the torchtitan suite (the cut flavors and the kill-and-resume debug model) has an
     embedding table at least as large as the suite's tokenizer: a token id past it is a device-side assert

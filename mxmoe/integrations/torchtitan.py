@@ -161,8 +161,10 @@ class MXMoEGroupedExperts(GroupedExperts):
         the recompute takes them, and the recompute reads no FP32 weight (FP32 weights: 6 bytes a weight moved
         once a step instead of twice). Off by default: they are held through the start of backward, where a
         training step's memory peaks. Forward knows it is checkpointed (or offloaded) by the saved-tensor
-        hooks it runs under; forward code that runs inside backward is the recompute. The operands are used only
-        if the weights are the same tensors at the same version (an in-place update between the two requantizes).
+        hooks it runs under; forward code that runs inside backward is the recompute, which takes the operands off
+        the module (a forward that is never recomputed leaves them there until the next forward replaces them).
+        The operands are used only if the weights are the same tensors at the same version (an in-place update
+        between the two requantizes).
         """
         rec, params = self.recipe, (self.w1, self.w3, self.w2)
         if not (self.keep_fp8_weights and self.fused_swiglu and torch.is_grad_enabled() and not rec.requantize_weights
