@@ -216,6 +216,16 @@ def test_prequantized_weight_operands_give_the_same_numbers(parts, device):
         grouped_linear(x, w, offs, "mxfp8", w_mx=w_mx)
     with pytest.raises(ValueError, match="along axis 1"):
         grouped_linear(x, w, offs, "mxfp8_128", w_mx=(w_mx[0], w_mx[0]))
+    from mxmoe.formats import MXTensor
+
+    e5m2 = MXTensor(w_mx[0].data.to(torch.float8_e5m2), w_mx[0].scale, 2, w_mx[0].scale_rule, w_mx[0].block)
+    with pytest.raises(ValueError, match="float8_e4m3fn data"):
+        grouped_linear(x, w, offs, "mxfp8_128", validate=False, w_mx=(e5m2, w_mx[1]))
+    cut = MXTensor(w_mx[1].data, w_mx[1].scale[:, :2], 1, w_mx[1].scale_rule, w_mx[1].block)
+    with pytest.raises(ValueError, match="scales"):
+        grouped_linear(x, w, offs, "mxfp8_128", validate=False, w_mx=(w_mx[0], cut))
+    with pytest.raises(ValueError, match=r"expects w \[E, N, K\]"):
+        grouped_linear(x, ws[0][0], offs, "mxfp8_128", w_mx=w_mx)
     with pytest.raises(ValueError, match="bytes differ"):
         stale = tuple(p * 2 for p in ws)
         grouped_linear(x, stale if parts > 1 else stale[0], offs, "mxfp8_128", w_mx=w_mx)

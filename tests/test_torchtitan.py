@@ -429,15 +429,15 @@ def test_distributed_checkpoint_of_unconverted_model_loads_into_converted(tmp_pa
 class _Checkpointed(torch.nn.Module):
     """The MoE layer under non-reentrant torch.utils.checkpoint, as torchtitan's activation checkpointing runs it."""
 
-    def __init__(self, m):
+    def __init__(self, m, use_reentrant: bool = False):
         super().__init__()
-        self.m = m
+        self.m, self.use_reentrant = m, use_reentrant
         self.router, self.experts = m.router, m.experts
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(self.m, x, use_reentrant=False)
+        return checkpoint(self.m, x, use_reentrant=self.use_reentrant)
 
 
 @needs_torchtitan
@@ -493,6 +493,19 @@ def test_checkpoint_recompute_takes_the_forwards_fp8_weights(recipe, monkeypatch
     assert calls == {(True, "mxfp8_128"): [2, 1], (False, "mxfp8_128"): [2, 1, 2, 1]}.get((keep, recipe), [2, 2, 2])
     for a, b in zip(run(ck, x), plain):
         assert torch.equal(a, b)
+    if kept:  # a forward that is not recomputed (grad off, or its output dropped) leaves nothing for a later one
+        with torch.no_grad():
+            ck(x)
+        assert m.experts._recompute_operands is None
+        ck(x.clone().requires_grad_())  # output dropped: its operands stay, for a recompute that never comes
+        with torch.no_grad():
+            m.experts.w2.data.mul_(2.0)  # (no version bump)
+        ref = run(converted(m, recipe), x)  # the new weights, plain
+        reentrant = run(_Checkpointed(m, use_reentrant=True), x)  # forward under no_grad, recompute in backward
+        for a, b in zip(reentrant, ref):
+            assert torch.equal(a, b)
+        with torch.no_grad():
+            m.experts.w2.data.mul_(0.5)
     if kept:  # a weight changed in place after forward: the recompute requantizes
         calls.clear()
         out = ck(x.clone().requires_grad_())

@@ -162,20 +162,25 @@ class MXMoEGroupedExperts(GroupedExperts):
         once a step instead of twice). Off by default: they are held through the start of backward, where a
         training step's memory peaks. Forward knows it is checkpointed (or offloaded) by the saved-tensor
         hooks it runs under; forward code that runs inside backward is the recompute, which takes the operands off
-        the module (a forward that is never recomputed leaves them there until the next forward replaces them).
-        The operands are used only if the weights are the same tensors at the same version (an in-place update
-        between the two requantizes).
+        the module. Every other forward replaces or drops them, so they serve only the recompute of the latest
+        forward (one a step never recomputes leaves them until the next forward). The recompute uses them only
+        for the same weight tensors at the same version and address: an in-place update between the two
+        requantizes, except one that bumps no version counter (through ``.data``), after which the recompute
+        computes with the forward's weights, as an uncheckpointed layer's backward does. Under FSDP2 with
+        ``reshard_after_forward`` the weights are gathered anew for backward at another address, so nothing is
+        reused there (only held).
         """
         rec, params = self.recipe, (self.w1, self.w3, self.w2)
+        recompute = torch._C._current_graph_task_id() != -1  # forward code inside backward: a checkpoint's recompute
+        kept = self._recompute_operands
+        self._recompute_operands = None
         if not (self.keep_fp8_weights and self.fused_swiglu and torch.is_grad_enabled() and not rec.requantize_weights
                 and any(p.requires_grad for p in params) and weight_operands_apply(rec, x, w1)):
             return None
         key = tuple((id(p), w._version, w.data_ptr()) for p, w in zip(params, (w1, w3, w2)))
-        if torch._C._current_graph_task_id() != -1:  # forward inside backward: a checkpoint's recompute
-            kept, self._recompute_operands = self._recompute_operands, None
+        if recompute:
             return kept[1] if kept is not None and kept[0] == key else None
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is None:  # saved tensors kept as they are
-            self._recompute_operands = None
             return None
         with torch.no_grad():  # (no autograd record: the recompute, which skips this, must save what forward did)
             ops = (quantize_weight_both((w1, w3), rec), quantize_weight_both(w2, rec))

@@ -108,6 +108,9 @@ def check_weight_operands(x: torch.Tensor, ws: tuple, w_mx, recipe: Recipe, be: 
     ``values`` (synchronizes with the GPU); raises TypeError / ValueError."""
     if not (isinstance(w_mx, (tuple, list)) and len(w_mx) == 2 and all(is_mx(t) for t in w_mx)):
         raise TypeError(f"w_mx must be a pair of MXTensors (the weight along K, along N), got {type(w_mx).__name__}")
+    if not ws or any(p.dim() != 3 for p in ws):
+        raise ValueError(f"grouped_linear expects w [E, N, K] (or its parts) with w_mx, got "
+                         f"{[tuple(p.shape) for p in ws]}")
     if not weight_operands_apply(recipe, x, ws[0], be):
         raise ValueError(f"w_mx is for products that quantize their weight once for both orientations (square tiles "
                          f"off the Hopper expansion route, e.g. mxfp8_128); the {recipe.name} recipe here does not")
@@ -117,6 +120,12 @@ def check_weight_operands(x: torch.Tensor, ws: tuple, w_mx, recipe: Recipe, be: 
         if tuple(t.shape) != shape or t.axis != axis or t.block != tile or t.scale_rule != recipe.scale_rule:
             raise ValueError(f"{name} must be the weight {shape} quantized along axis {axis} in {tile} tiles with the "
                              f"recipe's {recipe.scale_rule!r} rule, got {t!r}")
+        scale_shape = tuple(n // BLOCK if d == axis else n for d, n in enumerate(shape))
+        if (t.data.dtype != torch.float8_e4m3fn or t.scale.dtype != torch.float8_e8m0fnu
+                or tuple(t.scale.shape) != scale_shape or t.data.device != x.device or t.scale.device != x.device):
+            raise ValueError(f"{name} must hold float8_e4m3fn data and float8_e8m0fnu scales {scale_shape} on "
+                             f"{x.device}, got {t.data.dtype} data and {t.scale.dtype} scales "
+                             f"{tuple(t.scale.shape)} on {t.data.device} / {t.scale.device}")
     if values:
         ref = quantize_weight_both(ws if len(ws) > 1 else ws[0], recipe, be)
         for t, r in zip(w_mx, ref):
