@@ -575,6 +575,50 @@ def test_torchtitans_apply_ac_on_converted_debug_model(mode):
         assert torch.equal(g1[n], g0[n]), n
 
 
+@needs_torchtitan
+@pytest.mark.slow
+def test_torchtitans_layer_sac_with_kept_fp8_weights(monkeypatch):
+    """torchtitan's apply_ac as the suite runs it (selective, every second block checkpointed) on the converted
+    4-layer debug model (MoE layers 1-3; 1 and 3 checkpointed), ``mxfp8_128``: with ``keep_fp8_weights`` each step
+    quantizes the experts' weights 6 times instead of 10 (3 forwards, 2 recomputes, two weights each), with loss
+    and gradients bitwise those without it."""
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.moe import utils
+
+    import mxmoe.integrations.torchtitan as tt
+    import mxmoe.ops.linear as linear
+    from mxmoe.ops.quantization import quantize_weight_both
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return quantize_weight_both(*args, **kwargs)
+
+    monkeypatch.setattr(tt, "quantize_weight_both", counted)
+    monkeypatch.setattr(linear, "quantize_weight_both", counted)
+    monkeypatch.setattr(utils, "TOKEN_GROUP_ALIGN_SIZE_M", utils.TOKEN_GROUP_ALIGN_SIZE_M)
+    out = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = debug_model(4)
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        tt.convert_grouped_experts(model, "mxfp8_128", keep_fp8_weights=keep)
+        try:
+            apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="2"))
+        finally:
+            torch._C._dynamo.eval_frame._set_lru_cache(True)  # apply_ac turns dynamo's LRU cache off
+        assert [type(b).__name__ for b in model.layers.values()] == ["TransformerBlock", "CheckpointWrapper"] * 2
+        for _ in range(2):
+            calls.clear()
+            out[keep] = _loss_and_grads(model, _debug_tokens(1, 128))
+            assert len(calls) == (6 if keep else 10)
+    assert torch.equal(out[True][0], out[False][0])
+    assert all(torch.equal(out[True][1][n], out[False][1][n]) for n in out[False][1])
+
+
 def _fsdp2_worker(rank, world, init_file, recipe):
     """One rank of test_fsdp2_...: torchtitan's apply_fsdp on the converted debug model (gloo, CPU)."""
     import copy
