@@ -175,10 +175,12 @@ def profile_class(name: str) -> str:
 def profile_summary(trace: dict, top: int = 8) -> dict:
     """A chrome trace of torch.profiler (torchtitan's ``--profiling.enable_profiling``, one active step) ->
     milliseconds of GPU kernel time per :func:`profile_class`, each class's share of the kernel total, the
-    step's wall time (its ``ProfilerStep#N`` span) and the largest kernels left in ``"other"`` by name.
-    Memory copies and sets count as ``"other"``."""
+    step's wall time (its ``ProfilerStep#N`` span), the largest kernels left in ``"other"`` by name, and the
+    experts' kernels (both experts classes) by name with their launch counts (``experts_kernels``: name ->
+    [launches, ms]; e.g. how many weight quantizations a step runs). Memory copies and sets count as ``"other"``."""
     ms: dict[str, float] = {}
     others: dict[str, float] = {}
+    experts: dict[str, list] = {}
     step_ms = None
     for ev in trace.get("traceEvents", []):
         cat, name, dur = ev.get("cat", ""), ev.get("name", ""), ev.get("dur")
@@ -189,13 +191,17 @@ def profile_summary(trace: dict, top: int = 8) -> dict:
             ms[cls] = ms.get(cls, 0.0) + dur / 1e3
             if cls == "other":
                 others[name[:80]] = others.get(name[:80], 0.0) + dur / 1e3
+            elif cls.startswith("experts"):
+                e = experts.setdefault(name[:80], [0, 0.0])
+                e[0], e[1] = e[0] + 1, e[1] + dur / 1e3
         elif name.startswith("ProfilerStep#"):
             step_ms = max(step_ms or 0.0, dur / 1e3)
     total = sum(ms.values())
     out = {"kernel_ms": {k: round(v, 3) for k, v in sorted(ms.items())}, "kernel_total_ms": round(total, 3),
            "step_ms": round(step_ms, 3) if step_ms else None,
            "share": {k: round(v / total, 4) for k, v in sorted(ms.items())} if total else {},
-           "top_other": {k: round(v, 3) for k, v in sorted(others.items(), key=lambda kv: -kv[1])[:top]}}
+           "top_other": {k: round(v, 3) for k, v in sorted(others.items(), key=lambda kv: -kv[1])[:top]},
+           "experts_kernels": {k: [n, round(v, 3)] for k, (n, v) in sorted(experts.items(), key=lambda kv: -kv[1][1])}}
     return out
 
 

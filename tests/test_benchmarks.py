@@ -344,6 +344,7 @@ def test_torchtitan_profile_summary_classes_kernels(tmp_path):
     assert s["kernel_total_ms"] == 183.0 and s["step_ms"] == 250.0
     assert sum(s["share"].values()) == pytest.approx(1.0, abs=1e-3)
     assert list(s["top_other"]) == ["triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "Memcpy DtoD (Device -> Device)"]
+    assert s["experts_kernels"]["mx_quantize_cols_kernel"] == [1, 5.0] and len(s["experts_kernels"]) == 5
     assert T.profile_flags(100)[:3] == ["--profiling.enable_profiling", "--profiling.profile_freq", "100"]
     d = tmp_path / "dump" / "profile_traces" / "iteration_100"
     d.mkdir(parents=True)
