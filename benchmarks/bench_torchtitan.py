@@ -13,8 +13,9 @@ for Llama-4: memory). Data: this Python's standard library sources as JSON lines
 (``torchtitan_assets.py``); no network.
 
 Methods (``METHODS``): ``bf16`` torchtitan's ``GroupedExperts``; ``torchao_fp8`` torchao 0.18's FP8 rowwise grouped
-GEMMs on the experts, shared ones included where a model has them (``torchao.fp8_grouped``: torchtitan's ``quantize.grouped_mm.float8`` needs an API
-torchao 0.18 dropped, see torchtitan_job.py); ``mxfp8_128``, ``mxfp8_128_lowmem``, ``mxfp8`` mxmoe's converter;
+GEMMs on the routed experts, mxmoe's scope (``torchao.fp8_grouped``: torchtitan's ``quantize.grouped_mm.float8`` needs
+an API torchao 0.18 dropped, see torchtitan_job.py); ``torchao_fp8+shared`` the same with the shared experts' linears
+in FP8 rowwise too, where a model has them (``fqns experts``, as torchtitan's converter is documented); ``mxfp8_128``, ``mxfp8_128_lowmem``, ``mxfp8`` mxmoe's converter;
 ``*+linear_fp8`` the same with torchtitan's ``quantize.linear.float8`` (rowwise; LM head and router gate left
 out) on the dense linears; ``mxfp8_128+keep`` ``mxfp8_128`` with ``--mxmoe.keep-fp8-weights`` (the checkpointed
 layers keep their forward's FP8 weights for the recompute). Every run: ``--compile.enable`` (mxmoe's experts compiled too, fullgraph) and
@@ -85,6 +86,7 @@ _LINEAR_FP8 = ["--quantize.linear.float8.recipe_name", "rowwise", "--quantize.li
 METHODS = {
     "bf16": [],
     "torchao_fp8": ["--model.converters", "torchao.fp8_grouped"],
+    "torchao_fp8+shared": ["--model.converters", "torchao.fp8_grouped_shared"],
     "mxfp8_128": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8_128"],
     "mxfp8_128_lowmem": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8_128_lowmem"],
     "mxfp8": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8"],

@@ -261,11 +261,19 @@ def _span(steps) -> str:
     return f"{steps[0]}-{steps[-1]}" if steps else "–"
 
 
+SCOPES = ("linear_fp8", "shared")  # method suffixes that widen what runs in FP8 (others, e.g. "+keep", do not)
+
+
+def _scope(method) -> frozenset:
+    return frozenset(str(method).split("+")[1:]) & frozenset(SCOPES)
+
+
 def _torchao_of(rows: list[dict]):
-    """row -> tokens/s of torchao FP8 rowwise's row of the same model and scope (``+linear_fp8`` or none)."""
-    ao = {(r.get("model"), r["method"].partition("+")[2]): r.get("tokens_per_s")
+    """row -> tokens/s of torchao FP8 rowwise's row of the same model and scope (:data:`SCOPES`: ``+linear_fp8``,
+    ``+shared``, or the routed experts alone)."""
+    ao = {(r.get("model"), _scope(r["method"])): r.get("tokens_per_s")
           for r in rows if str(r.get("method", "")).startswith("torchao_fp8")}
-    return lambda r: ao.get((r.get("model"), str(r.get("method", "")).partition("+")[2]))
+    return lambda r: ao.get((r.get("model"), _scope(r.get("method", ""))))
 
 
 def torchtitan_section(rows: list[dict]) -> list[str]:
@@ -284,8 +292,9 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
             for r in rows]
     return ["torchtitan 0.2.2's own training entry point (`python -m benchmarks torchtitan`), cut flavors of the "
             "published models, `--compile.enable`, selective activation checkpointing; `bf16`: torchtitan's "
-            "experts, `torchao_fp8`: torchao's FP8 rowwise MoE, the others mxmoe's converter; `+linear_fp8`: "
-            "torchtitan's FP8 rowwise dense linears as well (its rows compare with torchao's of the same scope). "
+            "experts, `torchao_fp8`: torchao's FP8 rowwise MoE on the routed experts (mxmoe's scope), the others "
+            "mxmoe's converter; `+shared`: torchao on the shared experts' linears too; `+linear_fp8`: torchtitan's "
+            "FP8 rowwise dense linears as well (a row compares with torchao's of the same scope). "
             "tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps. Rows from several calls (their commit column; the "
             "header's git note): ratios across commits compare calls on different machines.", ""] + (

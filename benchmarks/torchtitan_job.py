@@ -3,11 +3,14 @@
 * mxmoe's converter and ``--mxmoe.*`` options (``mxmoe.integrations.torchtitan``, re-exported ``JobConfig``);
 * cut flavors: torchtitan's published model dimensions with fewer layers, so one H200 holds the model with
   FP32 master weights and AdamW (``CUT_FLAVORS``; added to torchtitan's own flavor tables, nothing edited);
-* ``torchao.fp8_grouped``, torchao 0.18's FP8 rowwise MoE training as a model converter: torchtitan 0.2.2's
-  ``quantize.grouped_mm.float8`` imports ``torchao.prototype.moe_training.conversion_utils.MoETrainingConfig``,
-  which torchao 0.18 no longer has; its successor is ``torchao.prototype.moe_training.config.Float8TrainingOpConfig``
-  through the same ``quantize_`` call, on the same modules (fqns containing ``experts``), with the same token-group
-  alignment (16 rows, torchtitan's padding).
+* ``torchao.fp8_grouped``, torchao 0.18's FP8 rowwise MoE training as a model converter, on the routed experts
+  only (the modules named ``experts``; shared experts stay BF16, as under mxmoe's converter), and
+  ``torchao.fp8_grouped_shared``, the same on every module whose fqn contains ``experts``, shared experts
+  included, as torchtitan's ``--quantize.grouped_mm.float8.fqns experts`` selects them (torchao's tensor
+  subclass runs their dense linears in FP8 rowwise too). torchtitan 0.2.2's ``quantize.grouped_mm.float8``
+  imports ``torchao.prototype.moe_training.conversion_utils.MoETrainingConfig``, which torchao 0.18 no longer
+  has; its successor is ``torchao.prototype.moe_training.config.Float8TrainingOpConfig`` through the same
+  ``quantize_`` call, with the same token-group alignment (16 rows, torchtitan's padding).
 """
 
 from __future__ import annotations
@@ -45,11 +48,24 @@ def register_cut_flavors() -> None:
             table[name] = dataclasses.replace(table[flavor], **overrides)
 
 
+def routed_experts(mod, fqn: str) -> bool:
+    """``quantize_``'s filter for the routed experts only: the module named ``experts`` (torchtitan's
+    ``GroupedExperts``), not ``shared_experts`` nor anything under it."""
+    return fqn.rpartition(".")[2] == "experts"
+
+
+def any_experts(mod, fqn: str) -> bool:
+    """``quantize_``'s filter as torchtitan's converter applies ``fqns=["experts"]``: every module whose fqn
+    contains ``experts``, the shared experts' linears included."""
+    return "experts" in fqn
+
+
 class TorchAOFloat8GroupedConverter:
     """``--model.converters torchao.fp8_grouped``: torchao 0.18's FP8 rowwise grouped GEMMs (dynamic rowwise
-    quantization, ``torch._scaled_grouped_mm``) on the parameters of every module whose fqn contains ``experts``
-    (DeepSeek-V3's shared experts too), as torchtitan's
-    ``quantize.grouped_mm.float8`` would with an older torchao."""
+    quantization, ``torch._scaled_grouped_mm``) on the routed experts' parameters (:func:`routed_experts`): the
+    scope of mxmoe's converter."""
+
+    module_filter = staticmethod(routed_experts)
 
     def __init__(self, job_config, parallel_dims=None):
         from torchao.prototype.moe_training.config import Float8TrainingOpConfig
@@ -60,14 +76,23 @@ class TorchAOFloat8GroupedConverter:
     def convert(self, model) -> None:
         from torchao.quantization.quant_api import quantize_
 
-        quantize_(model, config=self.config, filter_fn=lambda mod, fqn: "experts" in fqn)
+        quantize_(model, config=self.config, filter_fn=self.module_filter)
 
     def post_optimizer_hook(self, model) -> None:
         pass
 
 
+class TorchAOFloat8GroupedSharedConverter(TorchAOFloat8GroupedConverter):
+    """``--model.converters torchao.fp8_grouped_shared``: as ``torchao.fp8_grouped``, on every module whose fqn
+    contains ``experts`` (:func:`any_experts`): the shared experts' linears run FP8 rowwise too."""
+
+    module_filter = staticmethod(any_experts)
+
+
 register_cut_flavors()
-if "torchao.fp8_grouped" in _registry_model_converter_cls:
-    _registry_model_converter_cls["torchao.fp8_grouped"] = TorchAOFloat8GroupedConverter
-else:
-    register_model_converter(TorchAOFloat8GroupedConverter, "torchao.fp8_grouped")
+for _name, _cls in (("torchao.fp8_grouped", TorchAOFloat8GroupedConverter),
+                   ("torchao.fp8_grouped_shared", TorchAOFloat8GroupedSharedConverter)):
+    if _name in _registry_model_converter_cls:  # (imported again: the same classes)
+        _registry_model_converter_cls[_name] = _cls
+    else:
+        register_model_converter(_cls, _name)

@@ -817,3 +817,37 @@ def test_suite_flavors_hold_the_suite_tokenizers_vocabulary():
     for name, m in T.MODELS.items():
         args = J._flavor_table(m["model"])[m["flavor"]]
         assert args.vocab_size >= T.VOCAB, (name, m["flavor"], args.vocab_size)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("model", ["llama4", "deepseek_v3", "qwen3"])
+def test_suite_torchao_filters_take_the_routed_experts_or_all_experts(model):
+    """The torchtitan suite's torchao peer converts the scope it names: ``torchao.fp8_grouped`` the routed experts
+    only (each MoE layer's ``GroupedExperts``, as mxmoe's converter), ``torchao.fp8_grouped_shared`` every module
+    whose fqn contains ``experts``: the shared experts' linears too, where the model has them."""
+    import copy
+
+    from benchmarks import torchtitan_job as J
+    from torchtitan.models.moe.moe import GroupedExperts
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from torchtitan.config import JobConfig
+
+    spec = get_train_spec(model)
+    args = copy.deepcopy(spec.model_args["debugmodel_moe" if model == "qwen3" else "debugmodel"])
+    args.update_from_config(JobConfig())  # as the trainer completes them
+    with torch.device("meta"):
+        net = spec.model_cls(args)
+    routed = {f for f, x in net.named_modules() if J.routed_experts(x, f)}
+    grouped = {f for f, x in net.named_modules() if isinstance(x, GroupedExperts)}
+    assert routed == grouped and routed
+    wide = {f for f, x in net.named_modules() if J.any_experts(x, f)}
+    shared = {f for f in wide if "shared_experts" in f}
+    assert wide - shared == routed
+    if model == "qwen3":
+        assert not shared
+    else:  # Llama 4 and DeepSeek-V3 have shared experts: only the wide filter takes them
+        assert shared and not shared & routed
+    conv = J._registry_model_converter_cls
+    assert conv["torchao.fp8_grouped"].module_filter is J.routed_experts
+    assert conv["torchao.fp8_grouped_shared"].module_filter is J.any_experts
