@@ -350,7 +350,7 @@ def _merge(path: Path) -> tuple[dict, list[dict]]:
 
 
 # a replaced row is kept in the header without these (its curves are in the git history)
-_BULKY = ("loss", "steps", "tps_intervals", "loss_by_step", "profile", "compared_steps")
+_BULKY = ("loss", "steps", "tps_intervals", "loss_by_step", "compared_steps")  # (a profile stays: docs quote it)
 
 
 def stamp(row: dict, head: dict) -> dict:
@@ -363,7 +363,7 @@ def stamp(row: dict, head: dict) -> dict:
 
 def put(head: dict, rows: list[dict], row: dict) -> list[dict]:
     """``rows`` with ``row`` in place of the row of its :func:`row_key`; the row it replaces, if any, goes to
-    ``head["replaced_rows"]`` without its curves (:data:`_BULKY`)."""
+    ``head["replaced_rows"]`` without its curves (:data:`_BULKY`; its profile summary stays)."""
     old = [r for r in rows if row_key(r) == row_key(row)]
     for r in old:
         if r is not row:
