@@ -15,10 +15,11 @@ for Llama-4: memory). Data: this Python's standard library sources as JSON lines
 Methods (``METHODS``): ``bf16`` torchtitan's ``GroupedExperts``; ``torchao_fp8`` torchao 0.18's FP8 rowwise grouped
 GEMMs on the routed experts, mxmoe's scope (``torchao.fp8_grouped``: torchtitan's ``quantize.grouped_mm.float8`` needs
 an API torchao 0.18 dropped, see torchtitan_job.py); ``torchao_fp8+shared`` the same with the shared experts' linears
-in FP8 rowwise too, where a model has them (``fqns experts``, as torchtitan's converter is documented); ``mxfp8_128``, ``mxfp8_128_lowmem``, ``mxfp8`` mxmoe's converter;
-``*+linear_fp8`` the same with torchtitan's ``quantize.linear.float8`` (rowwise; LM head and router gate left
-out) on the dense linears; ``mxfp8_128+keep`` ``mxfp8_128`` with ``--mxmoe.keep-fp8-weights`` (the checkpointed
-layers keep their forward's FP8 weights for the recompute). Every run: ``--compile.enable`` (mxmoe's experts compiled too, fullgraph) and
+in FP8 rowwise too, where a model has them (``fqns experts``, as torchtitan's converter is documented);
+``mxfp8_128``, ``mxfp8_128_lowmem``, ``mxfp8`` mxmoe's converter; ``*+linear_fp8`` the same with torchtitan's
+``quantize.linear.float8`` (rowwise; LM head and router gate left out) on the dense linears; ``mxfp8_128+keep``
+``mxfp8_128`` with ``--mxmoe.keep-fp8-weights`` (the checkpointed layers keep their forward's FP8 weights for the
+recompute). Every run: ``--compile.enable`` (mxmoe's experts compiled too, fullgraph) and
 selective activation checkpointing, seed 0, the same data order.
 
 Per run (a row): ``tokens_per_s`` median of torchtitan's logged intervals after the warm-up steps (``--warmup``,
@@ -96,8 +97,8 @@ METHODS = {
     # the checkpointed layers keep their forward's FP8 weights for the recompute (memory for time)
     "mxfp8_128+keep": ["--model.converters", "mxmoe", "--mxmoe.recipe", "mxfp8_128", "--mxmoe.keep-fp8-weights"],
 }
-MX_RECIPE = {"mxfp8_128": "mxfp8_128", "mxfp8_128_lowmem": "mxfp8_128_lowmem", "mxfp8": "mxfp8",
-             "mxfp8_128+linear_fp8": "mxfp8_128", "mxfp8_128+keep": "mxfp8_128"}
+# mxmoe's methods -> their recipe (the --mxmoe.recipe each passes)
+MX_RECIPE = {m: a[a.index("--mxmoe.recipe") + 1] for m, a in METHODS.items() if "--mxmoe.recipe" in a}
 DEFAULT_PLAN = [("dsv3-16b", m) for m in METHODS] + [
     (mod, m) for mod in ("qwen3-30b-a3b", "llama4-17bx16e")
     for m in ("bf16", "torchao_fp8", "mxfp8_128", "mxfp8_128_lowmem", "mxfp8")]
