@@ -24,7 +24,8 @@ selective activation checkpointing, seed 0, the same data order.
 
 Per run (a row): ``tokens_per_s`` median of torchtitan's logged intervals after the warm-up steps (``--warmup``,
 default 10; the first interval holds the compilation), ``mfu`` (torchtitan's, a fraction of its BF16 peak),
-``peak_gib`` (torchtitan's max reserved), ``loss`` (every logged step), ``steps``, ``wall_s``, ``rc``. mxmoe rows
+``peak_gib`` (torchtitan's max reserved), ``peak_active_gib`` (the allocator's peak active memory over the last
+logged interval, which the trainer prints at exit: ``torchtitan_job.report_peak_memory``), ``loss`` (every logged step), ``steps``, ``wall_s``, ``rc``. mxmoe rows
 also carry ``expert_share`` (s: the routed experts' share of the BF16 step: their forward + backward timed
 alone at the run's shape, torchtitan's compiled BF16 experts, times the MoE layers, over the BF16 step time),
 ``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts', same timing) and
@@ -126,12 +127,15 @@ def train_cmd(*args, **kwargs) -> list[str]:
              "-m", "torchtitan.train"] + run_args(*args, **kwargs))
 
 
+_PEAK = re.compile(r"mxmoe-bench peak memory: active ([\d.]+) GiB")
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                    r"(?:.*?mfu:\s*([\d.]+)%)?")
 
 
 def parse_log(text: str, warmup: int) -> dict:
-    """torchtitan's metric lines -> steps, loss, tokens/s (median after ``warmup`` steps), mfu, peak GiB."""
+    """torchtitan's metric lines -> steps, loss, tokens/s (median after ``warmup`` steps), mfu, peak GiB
+    (reserved, the largest of the logged intervals), and ``peak_active_gib``, the allocator's peak active memory
+    over the last interval (``torchtitan_job.report_peak_memory``'s line at exit; None without it)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     steps, loss, tps, mfu, mem = [], [], [], [], []
     for m in _STEP.finditer(text):
@@ -142,10 +146,12 @@ def parse_log(text: str, warmup: int) -> dict:
         mfu.append(float(m.group(5)) / 100 if m.group(5) else None)
     after = [i for i, s in enumerate(steps) if s > warmup]
     med = lambda v: statistics.median(v) if v else None  # noqa: E731
+    active = _PEAK.findall(text)
     return {"steps": steps, "loss": loss, "tps_intervals": tps,
             "tokens_per_s": med([tps[i] for i in after]),
             "mfu": med([mfu[i] for i in after if mfu[i] is not None]),
-            "peak_gib": max(mem) if mem else None, "timed_steps": (steps[-1] - warmup) if after else 0}
+            "peak_gib": max(mem) if mem else None, "peak_active_gib": float(active[-1]) if active else None,
+            "timed_steps": (steps[-1] - warmup) if after else 0}
 
 
 # torch.profiler's GPU kernels of one step -> what they do, by name (first match wins). Grouped GEMMs:
@@ -534,7 +540,8 @@ def parity(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> list[dic
             parsed = parse_log(log.read_text(errors="replace"), a.warmup)
             row = {"model": model, "method": method, "seed": seed, "kind": "parity", "rc": rc,
                    "batch": a.parity_batch, "wall_s": round(time.time() - t0, 1), "steps": parsed["steps"],
-                   "loss": parsed["loss"], "peak_gib": parsed["peak_gib"]}
+                   "loss": parsed["loss"], "peak_gib": parsed["peak_gib"],
+                   "peak_active_gib": parsed["peak_active_gib"]}
             rows = put(head, rows, stamp(row, head))
             print(f"parity {model} {method} seed {seed}: rc {rc}, {len(row['steps'])} logged steps, last loss "
                   f"{row['loss'][-1] if row['loss'] else None}", flush=True)

@@ -10,12 +10,16 @@
   subclass runs their dense linears in FP8 rowwise too). torchtitan 0.2.2's ``quantize.grouped_mm.float8``
   imports ``torchao.prototype.moe_training.conversion_utils.MoETrainingConfig``, which torchao 0.18 no longer
   has; its successor is ``torchao.prototype.moe_training.config.Float8TrainingOpConfig`` through the same
-  ``quantize_`` call, with the same token-group alignment (16 rows, torchtitan's padding).
+  ``quantize_`` call, with the same token-group alignment (16 rows, torchtitan's padding);
+* at the trainer's exit, the CUDA caching allocator's peak active memory (:func:`report_peak_memory`):
+  torchtitan's log line gives the peak *reserved*, which also counts the allocator's cached free blocks.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
 
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
@@ -89,6 +93,24 @@ class TorchAOFloat8GroupedSharedConverter(TorchAOFloat8GroupedConverter):
     module_filter = staticmethod(any_experts)
 
 
+PEAK_MEMORY_LINE = "mxmoe-bench peak memory: active {active:.2f} GiB, reserved {reserved:.2f} GiB"
+
+
+def report_peak_memory() -> None:
+    """Print :data:`PEAK_MEMORY_LINE`: the caching allocator's peak active and reserved bytes (GiB, 2**30) since
+    torchtitan last reset the peak statistics, which it does at every logged step. So the figures cover the
+    last logged interval and what ran after it: the steady state, compilation excluded. Nothing is printed
+    where CUDA was never initialized."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        s = torch.cuda.memory_stats()
+        print(PEAK_MEMORY_LINE.format(active=s["active_bytes.all.peak"] / 2**30,
+                                      reserved=s["reserved_bytes.all.peak"] / 2**30), flush=True)
+
+
+if "LOCAL_RANK" in os.environ:  # imported by a trainer under torchrun, not by the suite or the tests
+    atexit.register(report_peak_memory)
 register_cut_flavors()
 for _name, _cls in (("torchao.fp8_grouped", TorchAOFloat8GroupedConverter),
                    ("torchao.fp8_grouped_shared", TorchAOFloat8GroupedSharedConverter)):

@@ -851,3 +851,25 @@ def test_suite_torchao_filters_take_the_routed_experts_or_all_experts(model):
     conv = J._registry_model_converter_cls
     assert conv["torchao.fp8_grouped"].module_filter is J.routed_experts
     assert conv["torchao.fp8_grouped_shared"].module_filter is J.any_experts
+
+
+@needs_torchtitan
+def test_suite_trainer_reports_peak_active_memory_the_suite_parses(monkeypatch, capsys):
+    """The suite's trainer module prints the allocator's peak active and reserved memory at exit (GiB), only where
+    CUDA ran, and the suite reads the active figure back from the log as ``peak_active_gib``."""
+    from benchmarks import bench_torchtitan as T
+    from benchmarks import torchtitan_job as J
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    J.report_peak_memory()
+    assert capsys.readouterr().out == ""  # CUDA never ran: nothing to report
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats",
+                        lambda: {"active_bytes.all.peak": 41.5 * 2**30, "reserved_bytes.all.peak": 43.25 * 2**30})
+    J.report_peak_memory()
+    out = capsys.readouterr().out
+    assert out.strip() == "mxmoe-bench peak memory: active 41.50 GiB, reserved 43.25 GiB"
+    log = "step: 20  loss: 7.1  memory: 44.00GiB(31%)  tps: 70,000  mfu: 9.00%\n" + out
+    assert T.parse_log(log, 10)["peak_active_gib"] == 41.5 and T.parse_log(log, 10)["peak_gib"] == 44.0
+    assert T.parse_log(log.splitlines()[0], 10)["peak_active_gib"] is None
