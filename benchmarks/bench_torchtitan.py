@@ -344,7 +344,8 @@ def expert_timings(model: str, methods: list[str]) -> tuple[dict[str, float], di
 
 
 def row_key(r: dict) -> tuple:
-    """Rows merge by (model, method, kind, seed): kind "speed" (the default plan's rows), "parity" or "resume"."""
+    """Rows merge by (model, method, kind, seed): kind "speed" (the default plan's rows), "parity", "resume" or
+    "launch_counts"."""
     return r.get("model"), r.get("method"), r.get("kind", "speed"), r.get("seed", 0)
 
 
@@ -646,6 +647,10 @@ def build_parser():
                     help="profile this step of each speed run (torch.profiler through torchtitan's flags): the "
                          "row's 'profile', GPU kernel time by class (0: off)")
     ap.add_argument("--no-experts-timing", action="store_true", help="skip the experts' timing (expert_share ...)")
+    ap.add_argument("--launch-counts", action="store_true",
+                    help="short profiled runs (default 30 steps, step 25 profiled, no experts timing) as rows of kind "
+                         "launch_counts, beside the speed rows, for the experts kernels' launches a step (e.g. "
+                         "mxfp8_128+keep against mxfp8_128: does the recompute quantize the weights again?)")
     ap.add_argument("--timing-only", action="store_true",
                     help="only the experts' timing, for the (model, method) rows already in --out")
     ap.add_argument("--dry-run", action="store_true", help="parse each run's config and build it on meta (CPU)")
@@ -709,7 +714,9 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"unknown model(s) or method(s) {bad}; models: {', '.join(MODELS)}; "
                          f"methods: {', '.join(METHODS)}")
-    steps = a.steps = a.steps or (30 if a.quick else 1000 if a.parity else 110)
+    if a.launch_counts:
+        a.profile_step, a.no_experts_timing = a.profile_step or 25, True
+    steps = a.steps = a.steps or (30 if a.quick or a.launch_counts else 1000 if a.parity else 110)
     out = Path(a.out or C.default_out(SUITE))
     if a.dry_run:
         ensure_assets()
@@ -721,7 +728,7 @@ def main(argv: list[str] | None = None) -> None:
     head, rows = _merge(out)
     new = C.header(SUITE, a.quick, steps=steps, warmup=a.warmup, vocab=VOCAB,
                    models={k: MODELS[k] for k in {m for m, _ in runs}})
-    kind = "parity" if a.parity else "resume" if a.resume_check else "speed"
+    kind = "parity" if a.parity else "resume" if a.resume_check else "launch_counts" if a.launch_counts else "speed"
     # into a file of earlier calls: their history stays, this call's line is appended (fold_header)
     head = fold_header(head, new, [{"model": mo, "kind": kind} for mo, _ in runs]) if head else new
     logdir = out.parent / "torchtitan_logs"
@@ -733,7 +740,7 @@ def main(argv: list[str] | None = None) -> None:
         resume_check(a, head, rows, out, logdir)
         return
     for model, method in ([] if a.timing_only else runs):
-        log = logdir / f"{model}_{method.replace('+', '_')}.txt"
+        log = logdir / f"{'launch_counts_' if a.launch_counts else ''}{model}_{method.replace('+', '_')}.txt"
         dump = Path(f"/tmp/tt_out/{model}_{method}")
         shutil.rmtree(dump / "profile_traces", ignore_errors=True)
         extra = tuple(profile_flags(a.profile_step)) if a.profile_step else ()
@@ -741,6 +748,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         rc = _finish(_launch(cmd, log), t0 + a.run_s)
         row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
+               **({"kind": "launch_counts"} if a.launch_counts else {}),
                **parse_log(log.read_text(errors="replace"), a.warmup)}
         if a.profile_step:
             row["profile"] = read_profile(dump)

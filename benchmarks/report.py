@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -241,6 +242,15 @@ def torchtitan_checks(rows: list[dict]) -> list[str]:
                              for k in s if k.startswith("gap_"))
             out += ["", f"Parity, {model}: bf16's seed spread (max - min final loss over seeds) "
                     f"{s['bf16_seed_spread']:.4f}; gap to bf16 (mean over seeds): {gaps}."]
+    counts = [r for r in rows if r.get("kind") == "launch_counts" and (r.get("profile") or {}).get("experts_kernels")]
+    if counts:
+        names = list(dict.fromkeys(k for r in counts for k in r["profile"]["experts_kernels"]
+                                   if re.search(r"mx_|gemm|quantize|swiglu", k)))
+        body = [[str(r["model"]), str(r["method"]), str(r.get("commit", "–"))]
+                + [str((r["profile"]["experts_kernels"].get(k) or ["–"])[0]) for k in names] for r in counts]
+        out += ["", "Launches a step of the experts' GEMM and quantization kernels (`--launch-counts`: 30-step runs, "
+                "step 25 profiled; the weights' quantizations are `mx_quantize_cols_kernel` launches):", ""] + table(
+            ["model", "method", "commit"] + [f"`{k[:48]}`" for k in names], body)
     for r in (r for r in rows if r.get("kind") == "resume"):
         out += ["", f"Kill-and-resume (`--resume-check`, {r['model']} {r['method']}, commit {r.get('commit', '–')}): "
                 f"checkpoints every {r.get('interval')} steps, killed after step {r.get('killed_after_step')}, resumed "

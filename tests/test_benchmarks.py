@@ -276,6 +276,35 @@ def test_torchtitan_parity_runs_two_seeds_and_summarizes(monkeypatch, tmp_path):
     assert s["within_mxfp8_128"] and s["final_loss"]["bf16"][1] == pytest.approx((10 / 15 + 10 / 20) / 2 + 0.01, abs=1e-4)
 
 
+def test_torchtitan_launch_counts_rows_stand_beside_the_speed_rows(monkeypatch, tmp_path):
+    """--launch-counts on a fake trainer: 30-step runs with step 25 profiled, rows of kind launch_counts that
+    replace no speed row, logs of their own; the report lists their GEMM and quantization launches, not as speed."""
+    T = _fake_torchtitan(monkeypatch, tmp_path)
+    monkeypatch.setattr(T.C, "require_cuda", lambda suite: None)
+    monkeypatch.setattr(T, "ensure_assets", lambda: None)
+    seen = []
+    monkeypatch.setattr(T, "read_profile", lambda dump: seen.append(dump) or {
+        "experts_kernels": {"mx_quantize_cols_kernel": [9 + len(seen), 1.0], "sm90_mxfp8_grouped_gemm_kernel": [14, 3.0],
+                            "gather_rows_kernel": [6, 0.5]}})
+    fake, calls = T.train_cmd, []
+    monkeypatch.setattr(T, "train_cmd", lambda *a, **k: calls.append(a) or fake(*a, **k))
+    out = tmp_path / "h200" / "torchtitan.json"
+    speed = {"model": "dsv3-16b", "method": "mxfp8_128", "tokens_per_s": 7.0, "commit": "aaa", "date": "d0"}
+    C.write_result(out, {"suite": "torchtitan", "date": "2026-01-01", "gpu": "NVIDIA H200"}, [speed])
+    T.main(["--launch-counts", "--models", "dsv3-16b", "--methods", "mxfp8_128+keep,mxfp8_128", "--run-s", "60",
+            "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0] == speed and len(rows) == 3 and len(seen) == 2
+    counts = {r["method"]: r for r in rows if r.get("kind") == "launch_counts"}
+    assert set(counts) == {"mxfp8_128+keep", "mxfp8_128"} and all(max(r["steps"]) == 30 for r in counts.values())
+    assert all(c[2] == 30 and tuple(c[6]) == tuple(T.profile_flags(25)) for c in calls)
+    assert all(r["rc"] == 0 for r in counts.values())
+    assert (tmp_path / "h200" / "torchtitan_logs" / "launch_counts_dsv3-16b_mxfp8_128_keep.txt").exists()
+    text = report.torchtitan_section(rows)
+    assert "| dsv3-16b | mxfp8_128+keep | " in " ".join(text) and "gather_rows" not in " ".join(text)
+    assert sum("| dsv3-16b | mxfp8_128 |" in line for line in text) == 2  # the speed row and its launch counts
+
+
 def test_render_torchtitan_parity_and_resume_rows(tmp_path):
     """Parity and kill-and-resume rows get their own lines, not rows of the speed table."""
     (tmp_path / "h200").mkdir()
