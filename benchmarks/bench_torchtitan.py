@@ -3,7 +3,7 @@ beside torchao 0.18's FP8 rowwise MoE and mxmoe's recipes, back to back in one c
 
     python -m benchmarks torchtitan [--quick] [--out benchmarks/results/<gpu>/torchtitan.json]
         [--models dsv3-16b,qwen3-30b-a3b,llama4-17bx16e] [--methods bf16,torchao_fp8,mxfp8_128,...]
-        [--steps 110] [--run-s 170] [--dry-run] [--parity] [--resume-check]
+        [--steps 110] [--run-s 170] [--dry-run] [--parity] [--resume-check] [--launch-counts]
 
 Models (``MODELS``): torchtitan's published flavors with the layer count cut to fit one H200 with FP32 master
 weights and AdamW (``benchmarks/torchtitan_job.py`` registers the cut flavors from outside torchtitan), their own
@@ -39,8 +39,11 @@ on the GPU; rows of kind "parity" (the loss curve) and the header's ``parity`` s
 the last ``--parity-tail`` logged losses; bf16's seed spread; each method's gap). ``--resume-check``: a
 kill-and-resume through torchtitan's distributed checkpoints with the converter (``--resume-model`` dsv3-debug,
 torchtitan's DeepSeek-V3 debug model; an uninterrupted run, the same with ``--checkpoint.enable`` SIGKILLed
-after step ``--resume-kill``, then resumed); a row of kind "resume" (``resume_row``). Both are orchestrated
-as the speed runs are; on the CPU they are tested against a fake trainer (tests/test_benchmarks.py).
+after step ``--resume-kill``, then resumed); a row of kind "resume" (``resume_row``). ``--launch-counts``: 30-step
+runs with step 25 profiled, rows of kind "launch_counts" beside the speed rows (the experts kernels' launches a
+step in ``profile.experts_kernels``: e.g. whether ``mxfp8_128+keep``'s recompute skips the weights'
+quantization). All are orchestrated as the speed runs are; on the CPU they are tested against a fake trainer
+(tests/test_benchmarks.py).
 
 ``--merge FILE [FILE ...]`` (CPU is enough): folds the result files of device calls into the canonical file
 (``--out``, default ``benchmarks/results/<their gpu>/torchtitan.json``): rows by (model, method, kind, seed),
