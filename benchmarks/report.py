@@ -249,8 +249,8 @@ def torchtitan_checks(rows: list[dict]) -> list[str]:
         body = [[str(r["model"]), str(r["method"]), str(r.get("commit", "–"))]
                 + [str((r["profile"]["experts_kernels"].get(k) or ["–"])[0]) for k in names] for r in counts]
         out += ["", "Launches a step of the experts' GEMM and quantization kernels (`--launch-counts`: 30-step runs, "
-                "step 25 profiled; the weights' quantizations are `mx_quantize_cols_kernel` launches):", ""] + table(
-            ["model", "method", "commit"] + [f"`{k[:48]}`" for k in names], body)
+                "step 25 profiled; on Hopper the weights' quantizations are `mx_quantize_cols_kernel` launches):",
+                ""] + table(["model", "method", "commit"] + [f"`{k[:48]}`" for k in names], body)
     for r in (r for r in rows if r.get("kind") == "resume"):
         out += ["", f"Kill-and-resume (`--resume-check`, {r['model']} {r['method']}, commit {r.get('commit', '–')}): "
                 f"checkpoints every {r.get('interval')} steps, killed after step {r.get('killed_after_step')}, resumed "
@@ -290,14 +290,14 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
     checks = torchtitan_checks(rows)
     rows = [r for r in rows if r.get("kind", "speed") == "speed"]
     head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "active GiB",
-            "loss at the last step",
-            "timed steps", "expert share", "experts ratio", "ideal speed-up", "commit"]
+            "loss at the last step", "timed steps", "expert share", "experts ratio", "ideal speed-up", "commit"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
     ao = _torchao_of(rows)
     body = [[str(r.get("model")), str(r.get("method")), fmt(r.get("tokens_per_s"), 0),
              fmt(ratio(r.get("tokens_per_s"), ref.get(r.get("model"))), 3, "x"),
              fmt(ratio(r.get("tokens_per_s"), ao(r)), 3, "x"), pct(r.get("mfu"), 1),
-             fmt(r.get("peak_gib"), 1), fmt(r.get("peak_active_gib"), 1), fmt((r.get("loss") or [None])[-1], 3), str(r.get("timed_steps", "–")),
+             fmt(r.get("peak_gib"), 1), fmt(r.get("peak_active_gib"), 1), fmt((r.get("loss") or [None])[-1], 3),
+             str(r.get("timed_steps", "–")),
              pct(r.get("expert_share")), fmt(r.get("layer_ratio"), 2, "x"), fmt(r.get("ideal_speedup"), 2, "x"),
              str(r.get("commit", "–"))]  # rows merged from several calls carry their own commit
             for r in rows]

@@ -201,10 +201,12 @@ def test_render_torchtitan_rows(tmp_path):
     rows = [{"model": "deepseek_v3 debug", "method": "bf16", "tokens_per_s": 100000.0, "mfu": 0.1, "peak_gib": 5.0,
              "loss": [8.0, 6.5]},
             {"model": "deepseek_v3 debug", "method": "mxmoe mxfp8_128", "tokens_per_s": 110000.0, "mfu": 0.11,
-             "peak_gib": 4.5, "peak_active_gib": 4.25, "loss": [8.0, 6.6], "expert_share": 0.4, "layer_ratio": 1.3, "ideal_speedup": 1.1}]
+             "peak_gib": 4.5, "peak_active_gib": 4.25, "loss": [8.0, 6.6], "expert_share": 0.4, "layer_ratio": 1.3,
+             "ideal_speedup": 1.1}]
     (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
     text = report.render(tmp_path)
-    assert "| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.100x | – | 11.0% | 4.5 | 4.2 | 6.600 | – | 40% | 1.30x | 1.10x |" in text
+    assert ("| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.100x | – | 11.0% | 4.5 | 4.2 | 6.600 | – | 40% | 1.30x "
+            "| 1.10x |") in text
     assert "| deepseek_v3 debug | bf16 | 100,000 | 1.000x | – | 10.0% | 5.0 | – | 6.500 |" in text  # older rows
 
 
@@ -284,8 +286,8 @@ def test_torchtitan_launch_counts_rows_stand_beside_the_speed_rows(monkeypatch, 
     monkeypatch.setattr(T, "ensure_assets", lambda: None)
     seen = []
     monkeypatch.setattr(T, "read_profile", lambda dump: seen.append(dump) or {
-        "experts_kernels": {"mx_quantize_cols_kernel": [9 + len(seen), 1.0], "sm90_mxfp8_grouped_gemm_kernel": [14, 3.0],
-                            "gather_rows_kernel": [6, 0.5]}})
+        "experts_kernels": {"mx_quantize_cols_kernel": [9 + len(seen), 1.0],
+                            "sm90_mxfp8_grouped_gemm_kernel": [14, 3.0], "gather_rows_kernel": [6, 0.5]}})
     fake, calls = T.train_cmd, []
     monkeypatch.setattr(T, "train_cmd", lambda *a, **k: calls.append(a) or fake(*a, **k))
     out = tmp_path / "h200" / "torchtitan.json"
