@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> None:
         resume_check(a, head, rows, out, logdir)
         return
     for model, method in ([] if a.timing_only else runs):
-        log = logdir / f"{'launch_counts_' if a.launch_counts else ''}{model}_{method.replace('+', '_')}.txt"
+        log = logdir / f"{'' if kind == 'speed' else kind + '_'}{model}_{method.replace('+', '_')}.txt"
         dump = Path(f"/tmp/tt_out/{model}_{method}")
         shutil.rmtree(dump / "profile_traces", ignore_errors=True)
         extra = tuple(profile_flags(a.profile_step)) if a.profile_step else ()
@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         rc = _finish(_launch(cmd, log), t0 + a.run_s)
         row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
-               **({"kind": "launch_counts"} if a.launch_counts else {}),
+               **({} if kind == "speed" else {"kind": kind}),
                **parse_log(log.read_text(errors="replace"), a.warmup)}
         if a.profile_step:
             row["profile"] = read_profile(dump)
