@@ -25,8 +25,10 @@ selective activation checkpointing, seed 0, the same data order.
 Per run (a row): ``tokens_per_s`` median of torchtitan's logged intervals after the warm-up steps (``--warmup``,
 default 10; the first interval holds the compilation), ``mfu`` (torchtitan's, a fraction of its BF16 peak),
 ``peak_gib`` (torchtitan's max reserved), ``peak_active_gib`` (the allocator's peak active memory over the last
-logged interval, which the trainer prints at exit: ``torchtitan_job.report_peak_memory``), ``loss`` (every logged
-step), ``steps``, ``wall_s``, ``rc``. mxmoe rows also carry ``expert_share`` (s: the routed experts' share of the
+logged interval) and ``backward_start_gib`` (the most memory allocated as a backward began, after the warm-up:
+where the methods' saved activations differ, while AdamW's FP32 state sets the active peak for all), both printed
+by the trainer at exit (``torchtitan_job.report_peak_memory``), ``loss`` (every logged step), ``steps``,
+``wall_s``, ``rc``. mxmoe rows also carry ``expert_share`` (s: the routed experts' share of the
 BF16 step: their forward + backward timed alone at the run's shape, torchtitan's compiled BF16 experts, times the
 MoE layers, over the BF16 step time), ``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts',
 same timing) and ``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
@@ -131,14 +133,16 @@ def train_cmd(*args, **kwargs) -> list[str]:
 
 
 _PEAK = re.compile(r"mxmoe-bench peak memory: active ([\d.]+) GiB")
+_HELD = re.compile(r"mxmoe-bench peak memory: .*, at backward start ([\d.]+) GiB")
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                    r"(?:.*?mfu:\s*([\d.]+)%)?")
 
 
 def parse_log(text: str, warmup: int) -> dict:
     """torchtitan's metric lines -> steps, loss, tokens/s (median after ``warmup`` steps), mfu, peak GiB
-    (reserved, the largest of the logged intervals), and ``peak_active_gib``, the allocator's peak active memory
-    over the last interval (``torchtitan_job.report_peak_memory``'s line at exit; None without it)."""
+    (reserved, the largest of the logged intervals), ``peak_active_gib``, the allocator's peak active memory
+    over the last interval, and ``backward_start_gib``, the most memory allocated as a backward began
+    (``torchtitan_job.report_peak_memory``'s line at exit; None without it)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     steps, loss, tps, mfu, mem = [], [], [], [], []
     for m in _STEP.finditer(text):
@@ -149,11 +153,12 @@ def parse_log(text: str, warmup: int) -> dict:
         mfu.append(float(m.group(5)) / 100 if m.group(5) else None)
     after = [i for i, s in enumerate(steps) if s > warmup]
     med = lambda v: statistics.median(v) if v else None  # noqa: E731
-    active = _PEAK.findall(text)
+    active, held = _PEAK.findall(text), _HELD.findall(text)
     return {"steps": steps, "loss": loss, "tps_intervals": tps,
             "tokens_per_s": med([tps[i] for i in after]),
             "mfu": med([mfu[i] for i in after if mfu[i] is not None]),
             "peak_gib": max(mem) if mem else None, "peak_active_gib": float(active[-1]) if active else None,
+            "backward_start_gib": float(held[-1]) if held else None,
             "timed_steps": (steps[-1] - warmup) if after else 0}
 
 
@@ -545,7 +550,8 @@ def parity(a, head: dict, rows: list[dict], out: Path, logdir: Path) -> list[dic
             row = {"model": model, "method": method, "seed": seed, "kind": "parity", "rc": rc,
                    "batch": a.parity_batch, "wall_s": round(time.time() - t0, 1), "steps": parsed["steps"],
                    "loss": parsed["loss"], "peak_gib": parsed["peak_gib"],
-                   "peak_active_gib": parsed["peak_active_gib"]}
+                   "peak_active_gib": parsed["peak_active_gib"],
+                   "backward_start_gib": parsed["backward_start_gib"]}
             rows = put(head, rows, stamp(row, head))
             print(f"parity {model} {method} seed {seed}: rc {rc}, {len(row['steps'])} logged steps, last loss "
                   f"{row['loss'][-1] if row['loss'] else None}", flush=True)

@@ -289,14 +289,15 @@ def _torchao_of(rows: list[dict]):
 def torchtitan_section(rows: list[dict]) -> list[str]:
     checks = torchtitan_checks(rows)
     rows = [r for r in rows if r.get("kind", "speed") == "speed"]
-    head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "active GiB",
+    head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "active GiB", "at bwd start GiB",
             "loss at the last step", "timed steps", "expert share", "experts ratio", "ideal speed-up", "commit"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
     ao = _torchao_of(rows)
     body = [[str(r.get("model")), str(r.get("method")), fmt(r.get("tokens_per_s"), 0),
              fmt(ratio(r.get("tokens_per_s"), ref.get(r.get("model"))), 3, "x"),
              fmt(ratio(r.get("tokens_per_s"), ao(r)), 3, "x"), pct(r.get("mfu"), 1),
-             fmt(r.get("peak_gib"), 1), fmt(r.get("peak_active_gib"), 1), fmt((r.get("loss") or [None])[-1], 3),
+             fmt(r.get("peak_gib"), 1), fmt(r.get("peak_active_gib"), 1), fmt(r.get("backward_start_gib"), 1),
+             fmt((r.get("loss") or [None])[-1], 3),
              str(r.get("timed_steps", "–")),
              pct(r.get("expert_share")), fmt(r.get("layer_ratio"), 2, "x"), fmt(r.get("ideal_speedup"), 2, "x"),
              str(r.get("commit", "–"))]  # rows merged from several calls carry their own commit
@@ -309,7 +310,9 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
             "tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps. peak GiB: torchtitan's max reserved over the run; "
             "active GiB: the allocator's peak active memory over the last logged interval (rows from 2026-12-06 "
-            "on). Rows from several calls (their commit column; the "
+            "on), set by AdamW's FP32 state at the end of backward; at bwd start GiB: the most memory allocated as "
+            "a backward began (the weights, optimizer state and what the forward saved; rows from 2026-12-06, "
+            "14:30 UTC on). Rows from several calls (their commit column; the "
             "header's git note): ratios across commits compare calls on different machines.", ""] + (
                 table(head, body) + torchtitan_profiles(rows) + checks)
 

@@ -11,15 +11,19 @@
   imports ``torchao.prototype.moe_training.conversion_utils.MoETrainingConfig``, which torchao 0.18 no longer
   has; its successor is ``torchao.prototype.moe_training.config.Float8TrainingOpConfig`` through the same
   ``quantize_`` call, with the same token-group alignment (16 rows, torchtitan's padding);
-* at the trainer's exit, the CUDA caching allocator's peak active memory (:func:`report_peak_memory`):
-  torchtitan's log line gives the peak *reserved*, which also counts the allocator's cached free blocks.
+* at the trainer's exit, the CUDA caching allocator's peak active memory, and the memory allocated as backward
+  starts (:func:`report_peak_memory`): torchtitan's log line gives the peak *reserved*, which also counts the
+  allocator's cached free blocks.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
+
+import torch
 
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
@@ -94,22 +98,44 @@ class TorchAOFloat8GroupedSharedConverter(TorchAOFloat8GroupedConverter):
 
 
 PEAK_MEMORY_LINE = "mxmoe-bench peak memory: active {active:.2f} GiB, reserved {reserved:.2f} GiB"
+BACKWARD_START_PART = ", at backward start {held:.2f} GiB"
+BACKWARD_START_WARMUP = 10  # backward calls left out of the figure (the logged tokens/s' warm-up steps)
+_backward_start: list[int] = []  # torch.cuda.memory_allocated() as each backward of a CUDA tensor began, bytes
+
+
+def record_backward_start(backward):
+    """Wrap ``torch.Tensor.backward`` so that each call on a CUDA tensor first notes ``memory_allocated()``: what
+    a step holds once its forward is done. That is the weights and optimizer state, which every method shares,
+    plus what the forward saved for backward and the loss's inputs. There the methods differ: AdamW's FP32 state
+    sets the step's overall peak at the end of backward, the same for every method."""
+
+    @functools.wraps(backward)
+    def wrapped(self, *args, **kwargs):
+        if self.is_cuda:
+            _backward_start.append(torch.cuda.memory_allocated(self.device))
+        return backward(self, *args, **kwargs)
+
+    return wrapped
 
 
 def report_peak_memory() -> None:
     """Print :data:`PEAK_MEMORY_LINE`: the caching allocator's peak active and reserved bytes (GiB, 2**30) since
     torchtitan last reset the peak statistics, which it does at every logged step. So the figures cover the
-    last logged interval and what ran after it: the steady state, compilation excluded. Nothing is printed
+    last logged interval and what ran after it: the steady state, compilation excluded. Where backward ran
+    more than :data:`BACKWARD_START_WARMUP` times, :data:`BACKWARD_START_PART` follows: the most memory
+    allocated as a backward began (:func:`record_backward_start`), over the calls after those. Nothing is printed
     where CUDA was never initialized."""
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         s = torch.cuda.memory_stats()
-        print(PEAK_MEMORY_LINE.format(active=s["active_bytes.all.peak"] / 2**30,
-                                      reserved=s["reserved_bytes.all.peak"] / 2**30), flush=True)
+        line = PEAK_MEMORY_LINE.format(active=s["active_bytes.all.peak"] / 2**30,
+                                       reserved=s["reserved_bytes.all.peak"] / 2**30)
+        if len(_backward_start) > BACKWARD_START_WARMUP:
+            line += BACKWARD_START_PART.format(held=max(_backward_start[BACKWARD_START_WARMUP:]) / 2**30)
+        print(line, flush=True)
 
 
 if "LOCAL_RANK" in os.environ:  # imported by a trainer under torchrun, not by the suite or the tests
+    torch.Tensor.backward = record_backward_start(torch.Tensor.backward)
     atexit.register(report_peak_memory)
 register_cut_flavors()
 for _name, _cls in (("torchao.fp8_grouped", TorchAOFloat8GroupedConverter),

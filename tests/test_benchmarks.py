@@ -201,13 +201,13 @@ def test_render_torchtitan_rows(tmp_path):
     rows = [{"model": "deepseek_v3 debug", "method": "bf16", "tokens_per_s": 100000.0, "mfu": 0.1, "peak_gib": 5.0,
              "loss": [8.0, 6.5]},
             {"model": "deepseek_v3 debug", "method": "mxmoe mxfp8_128", "tokens_per_s": 110000.0, "mfu": 0.11,
-             "peak_gib": 4.5, "peak_active_gib": 4.25, "loss": [8.0, 6.6], "expert_share": 0.4, "layer_ratio": 1.3,
-             "ideal_speedup": 1.1}]
+             "peak_gib": 4.5, "peak_active_gib": 4.25, "backward_start_gib": 3.75, "loss": [8.0, 6.6],
+             "expert_share": 0.4, "layer_ratio": 1.3, "ideal_speedup": 1.1}]
     (tmp_path / "h200" / "torchtitan.json").write_text(json.dumps({"header": {"gpu": "NVIDIA H200"}, "rows": rows}))
     text = report.render(tmp_path)
-    assert ("| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.100x | – | 11.0% | 4.5 | 4.2 | 6.600 | – | 40% | 1.30x "
-            "| 1.10x |") in text
-    assert "| deepseek_v3 debug | bf16 | 100,000 | 1.000x | – | 10.0% | 5.0 | – | 6.500 |" in text  # older rows
+    assert ("| deepseek_v3 debug | mxmoe mxfp8_128 | 110,000 | 1.100x | – | 11.0% | 4.5 | 4.2 | 3.8 | 6.600 | – | 40% "
+            "| 1.30x | 1.10x |") in text
+    assert "| deepseek_v3 debug | bf16 | 100,000 | 1.000x | – | 10.0% | 5.0 | – | – | 6.500 |" in text  # older rows
 
 
 FAKE_TRAINER = r'''
@@ -226,7 +226,7 @@ for st in range(start + 1, steps + 1):
         print(f"step: {st}  loss: {10 / st + 0.01 * seed:.5f}  memory: 1.50GiB(2%)  tps: 1,000  mfu: 1.00%", flush=True)
     if ckpt and st % int(opt("--checkpoint.interval")) == 0:
         open(ckpt, "w").write(str(st))
-print("mxmoe-bench peak memory: active 1.25 GiB, reserved 1.50 GiB", flush=True)
+print("mxmoe-bench peak memory: active 1.25 GiB, reserved 1.50 GiB, at backward start 1.10 GiB", flush=True)
 '''
 
 
@@ -272,7 +272,8 @@ def test_torchtitan_parity_runs_two_seeds_and_summarizes(monkeypatch, tmp_path):
     rows = T.parity(a, head, [], tmp_path / "tt.json", tmp_path)
     assert sorted((r["method"], r["seed"]) for r in rows) == [("bf16", 0), ("bf16", 1), ("mxfp8_128", 0),
                                                               ("mxfp8_128", 1)]
-    assert all(r["peak_gib"] == 1.5 and r["peak_active_gib"] == 1.25 for r in rows)  # the trainer's exit line
+    assert all(r["peak_gib"] == 1.5 and r["peak_active_gib"] == 1.25 and r["backward_start_gib"] == 1.1
+               for r in rows)  # the trainer's exit line
     s = head["parity"]
     assert s["bf16_seed_spread"] == pytest.approx(0.01) and s["gap_mxfp8_128"] == pytest.approx(0.0)
     assert s["within_mxfp8_128"] and s["final_loss"]["bf16"][1] == pytest.approx((10 / 15 + 10 / 20) / 2 + 0.01, abs=1e-4)

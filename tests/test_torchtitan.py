@@ -872,4 +872,38 @@ def test_suite_trainer_reports_peak_active_memory_the_suite_parses(monkeypatch, 
     assert out.strip() == "mxmoe-bench peak memory: active 41.50 GiB, reserved 43.25 GiB"
     log = "step: 20  loss: 7.1  memory: 44.00GiB(31%)  tps: 70,000  mfu: 9.00%\n" + out
     assert T.parse_log(log, 10)["peak_active_gib"] == 41.5 and T.parse_log(log, 10)["peak_gib"] == 44.0
+    assert T.parse_log(log, 10)["backward_start_gib"] is None  # no backward past the warm-up
     assert T.parse_log(log.splitlines()[0], 10)["peak_active_gib"] is None
+
+
+@needs_torchtitan
+def test_suite_trainer_notes_memory_as_backward_starts(monkeypatch, capsys):
+    """The trainer module's ``Tensor.backward`` wrapper notes ``memory_allocated()`` before each CUDA backward
+    (and runs the backward); the exit line adds the most of those past the warm-up, which the suite reads back
+    as ``backward_start_gib``."""
+    from benchmarks import bench_torchtitan as T
+    from benchmarks import torchtitan_job as J
+
+    monkeypatch.setattr(J, "_backward_start", [])
+    allocated = iter([2**30 * g for g in [60.0] * J.BACKWARD_START_WARMUP + [30.5, 32.25, 31.0]])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    ran = []
+    backward = J.record_backward_start(lambda self, *a, **k: ran.append((self, a, k)))
+    cpu = torch.ones(2)
+    backward(cpu, "g")  # a CPU backward is not noted
+    assert J._backward_start == [] and ran == [(cpu, ("g",), {})]
+    cuda = type("CudaTensor", (), {"is_cuda": True, "device": "cuda:0"})()
+    for _ in range(J.BACKWARD_START_WARMUP + 3):
+        backward(cuda, retain_graph=True)
+    assert len(ran) == J.BACKWARD_START_WARMUP + 4 and ran[-1] == (cuda, (), {"retain_graph": True})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats",
+                        lambda: {"active_bytes.all.peak": 41.5 * 2**30, "reserved_bytes.all.peak": 43.25 * 2**30})
+    J.report_peak_memory()
+    out = capsys.readouterr().out
+    # the warm-up's 60 GiB calls are left out: the most of the rest
+    assert out.strip() == ("mxmoe-bench peak memory: active 41.50 GiB, reserved 43.25 GiB, "
+                           "at backward start 32.25 GiB")
+    parsed = T.parse_log(out, 10)
+    assert parsed["backward_start_gib"] == 32.25 and parsed["peak_active_gib"] == 41.5
