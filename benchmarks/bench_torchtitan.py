@@ -24,11 +24,10 @@ selective activation checkpointing, seed 0, the same data order.
 
 Per run (a row): ``tokens_per_s`` median of torchtitan's logged intervals after the warm-up steps (``--warmup``,
 default 10; the first interval holds the compilation), ``mfu`` (torchtitan's, a fraction of its BF16 peak),
-``peak_gib`` (torchtitan's max reserved), ``peak_active_gib`` (the allocator's peak active memory over the last
-logged interval) and ``backward_start_gib`` (the most memory allocated as a backward began, after the warm-up:
-where the methods' saved activations differ, while AdamW's FP32 state sets the active peak for all), both printed
-by the trainer at exit (``torchtitan_job.report_peak_memory``), ``loss`` (every logged step), ``steps``,
-``wall_s``, ``rc``. mxmoe rows also carry ``expert_share`` (s: the routed experts' share of the
+``peak_gib`` (torchtitan's max reserved), ``peak_active_gib`` (the allocator's peak active memory of a step)
+and ``backward_start_gib`` (the most memory allocated as a backward began: the weights and AdamW's moments plus
+what the forward saved), both over the steps after the warm-up and printed by the trainer at exit
+(``torchtitan_job.report_step_memory``), ``loss`` (every logged step), ``steps``, ``wall_s``, ``rc``. mxmoe rows also carry ``expert_share`` (s: the routed experts' share of the
 BF16 step: their forward + backward timed alone at the run's shape, torchtitan's compiled BF16 experts, times the
 MoE layers, over the BF16 step time), ``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts',
 same timing) and ``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
@@ -132,8 +131,7 @@ def train_cmd(*args, **kwargs) -> list[str]:
              "-m", "torchtitan.train"] + run_args(*args, **kwargs))
 
 
-_PEAK = re.compile(r"mxmoe-bench peak memory: active ([\d.]+) GiB")
-_HELD = re.compile(r"mxmoe-bench peak memory: .*, at backward start ([\d.]+) GiB")
+_MEMORY = re.compile(r"mxmoe-bench step memory: peak active ([\d.]+) GiB, at backward start ([\d.]+) GiB")
 _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)"
                    r"(?:.*?mfu:\s*([\d.]+)%)?")
 
@@ -141,8 +139,8 @@ _STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([\d.]+).*?memory:\s*([\d.]+)GiB.*?
 def parse_log(text: str, warmup: int) -> dict:
     """torchtitan's metric lines -> steps, loss, tokens/s (median after ``warmup`` steps), mfu, peak GiB
     (reserved, the largest of the logged intervals), ``peak_active_gib``, the allocator's peak active memory
-    over the last interval, and ``backward_start_gib``, the most memory allocated as a backward began
-    (``torchtitan_job.report_peak_memory``'s line at exit; None without it)."""
+    of a step, and ``backward_start_gib``, the most memory allocated as a backward began, both after the warm-up
+    (``torchtitan_job.report_step_memory``'s line at exit; None without it)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     steps, loss, tps, mfu, mem = [], [], [], [], []
     for m in _STEP.finditer(text):
@@ -153,12 +151,12 @@ def parse_log(text: str, warmup: int) -> dict:
         mfu.append(float(m.group(5)) / 100 if m.group(5) else None)
     after = [i for i, s in enumerate(steps) if s > warmup]
     med = lambda v: statistics.median(v) if v else None  # noqa: E731
-    active, held = _PEAK.findall(text), _HELD.findall(text)
+    memory = _MEMORY.findall(text)
     return {"steps": steps, "loss": loss, "tps_intervals": tps,
             "tokens_per_s": med([tps[i] for i in after]),
             "mfu": med([mfu[i] for i in after if mfu[i] is not None]),
-            "peak_gib": max(mem) if mem else None, "peak_active_gib": float(active[-1]) if active else None,
-            "backward_start_gib": float(held[-1]) if held else None,
+            "peak_gib": max(mem) if mem else None, "peak_active_gib": float(memory[-1][0]) if memory else None,
+            "backward_start_gib": float(memory[-1][1]) if memory else None,
             "timed_steps": (steps[-1] - warmup) if after else 0}
 
 

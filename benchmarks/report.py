@@ -247,10 +247,15 @@ def torchtitan_checks(rows: list[dict]) -> list[str]:
         names = list(dict.fromkeys(k for r in counts for k in r["profile"]["experts_kernels"]
                                    if re.search(r"mx_|gemm|quantize|swiglu", k)))
         body = [[str(r["model"]), str(r["method"]), str(r.get("commit", "–"))]
-                + [str((r["profile"]["experts_kernels"].get(k) or ["–"])[0]) for k in names] for r in counts]
+                + [str((r["profile"]["experts_kernels"].get(k) or ["–"])[0]) for k in names]
+                + [fmt(r.get("peak_gib"), 2), fmt(r.get("backward_start_gib"), 2)] for r in counts]
         out += ["", "Launches a step of the experts' GEMM and quantization kernels (`--launch-counts`: 30-step runs, "
-                "step 25 profiled; on Hopper the weights' quantizations are `mx_quantize_cols_kernel` launches):",
-                ""] + table(["model", "method", "commit"] + [f"`{k[:48]}`" for k in names], body)
+                "step 25 profiled; on Hopper the weights' quantizations are `mx_quantize_cols_kernel` launches). The "
+                "profiler's window can take in launches of the steps beside step 25, so compare rows of one commit "
+                "(one call). Memory: torchtitan's reserved peak over the run, and the most allocated as a backward "
+                "began after 10 warm-up steps:",
+                ""] + table(["model", "method", "commit"] + [f"`{k[:48]}`" for k in names]
+                            + ["reserved GiB", "at bwd start GiB"], body)
     for r in (r for r in rows if r.get("kind") == "resume"):
         out += ["", f"Kill-and-resume (`--resume-check`, {r['model']} {r['method']}, commit {r.get('commit', '–')}): "
                 f"checkpoints every {r.get('interval')} steps, killed after step {r.get('killed_after_step')}, resumed "
@@ -309,10 +314,9 @@ def torchtitan_section(rows: list[dict]) -> list[str]:
             "FP8 rowwise dense linears as well (a row compares with torchao's of the same scope). "
             "tokens/s: median of "
             "the logged 5-step intervals after 10 warm-up steps. peak GiB: torchtitan's max reserved over the run; "
-            "active GiB: the allocator's peak active memory over the last logged interval (rows from 2026-12-06 "
-            "on), set by AdamW's FP32 state at the end of backward; at bwd start GiB: the most memory allocated as "
-            "a backward began (the weights, optimizer state and what the forward saved; rows from 2026-12-06, "
-            "14:30 UTC on). Rows from several calls (their commit column; the "
+            "active GiB: the allocator's peak active memory of a step; at bwd start GiB: the most memory allocated "
+            "as a backward began (the weights, AdamW's moments and what the forward saved); both after the warm-up, "
+            "in rows from 2026-12-06 on (the file's notes). Rows from several calls (their commit column; the "
             "header's git note): ratios across commits compare calls on different machines.", ""] + (
                 table(head, body) + torchtitan_profiles(rows) + checks)
 

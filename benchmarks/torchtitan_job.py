@@ -11,9 +11,9 @@
   imports ``torchao.prototype.moe_training.conversion_utils.MoETrainingConfig``, which torchao 0.18 no longer
   has; its successor is ``torchao.prototype.moe_training.config.Float8TrainingOpConfig`` through the same
   ``quantize_`` call, with the same token-group alignment (16 rows, torchtitan's padding);
-* at the trainer's exit, the CUDA caching allocator's peak active memory, and the memory allocated as backward
-  starts (:func:`report_peak_memory`): torchtitan's log line gives the peak *reserved*, which also counts the
-  allocator's cached free blocks.
+* at the trainer's exit, the step's memory after the warm-up (:func:`report_step_memory`): the caching
+  allocator's peak active bytes, and the bytes allocated as backward starts. torchtitan's log line gives the peak
+  *reserved*, which also counts the allocator's cached free blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import functools
 import os
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
@@ -97,17 +98,17 @@ class TorchAOFloat8GroupedSharedConverter(TorchAOFloat8GroupedConverter):
     module_filter = staticmethod(any_experts)
 
 
-PEAK_MEMORY_LINE = "mxmoe-bench peak memory: active {active:.2f} GiB, reserved {reserved:.2f} GiB"
-BACKWARD_START_PART = ", at backward start {held:.2f} GiB"
-BACKWARD_START_WARMUP = 10  # backward calls left out of the figure (the logged tokens/s' warm-up steps)
+MEMORY_LINE = "mxmoe-bench step memory: peak active {active:.2f} GiB, at backward start {held:.2f} GiB"
+MEMORY_WARMUP = 10  # steps left out of the figures (the logged tokens/s' warm-up), counted in backward calls
 _backward_start: list[int] = []  # torch.cuda.memory_allocated() as each backward of a CUDA tensor began, bytes
+_step_peak: list[int] = []  # the allocator's peak active bytes as each optimizer step after the warm-up ended
 
 
 def record_backward_start(backward):
     """Wrap ``torch.Tensor.backward`` so that each call on a CUDA tensor first notes ``memory_allocated()``: what
-    a step holds once its forward is done. That is the weights and optimizer state, which every method shares,
-    plus what the forward saved for backward and the loss's inputs. There the methods differ: AdamW's FP32 state
-    sets the step's overall peak at the end of backward, the same for every method."""
+    a step holds once its forward is done. That is the weights and AdamW's moments, which every method shares (the
+    gradients are None then: torchtitan zeroes them to None as a step starts), plus what the forward saved for
+    backward and the loss's inputs. There the methods differ."""
 
     @functools.wraps(backward)
     def wrapped(self, *args, **kwargs):
@@ -118,25 +119,28 @@ def record_backward_start(backward):
     return wrapped
 
 
-def report_peak_memory() -> None:
-    """Print :data:`PEAK_MEMORY_LINE`: the caching allocator's peak active and reserved bytes (GiB, 2**30) since
-    torchtitan last reset the peak statistics, which it does at every logged step. So the figures cover the
-    last logged interval and what ran after it: the steady state, compilation excluded. Where backward ran
-    more than :data:`BACKWARD_START_WARMUP` times, :data:`BACKWARD_START_PART` follows: the most memory
-    allocated as a backward began (:func:`record_backward_start`), over the calls after those. Nothing is printed
-    where CUDA was never initialized."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        s = torch.cuda.memory_stats()
-        line = PEAK_MEMORY_LINE.format(active=s["active_bytes.all.peak"] / 2**30,
-                                       reserved=s["reserved_bytes.all.peak"] / 2**30)
-        if len(_backward_start) > BACKWARD_START_WARMUP:
-            line += BACKWARD_START_PART.format(held=max(_backward_start[BACKWARD_START_WARMUP:]) / 2**30)
-        print(line, flush=True)
+def record_step_peak(optimizer, args, kwargs) -> None:
+    """A global optimizer step post-hook: after the warm-up, note the allocator's peak active bytes. torchtitan
+    resets the peak statistics after each logged step, so a reading covers the steps since the last log:
+    forward, backward and optimizer step. (At the trainer's exit the peak covers only what ran after the last
+    step's log, the resting state: weights, gradients and moments.)"""
+    if len(_backward_start) > MEMORY_WARMUP:
+        _step_peak.append(torch.cuda.memory_stats()["active_bytes.all.peak"])
+
+
+def report_step_memory() -> None:
+    """Print :data:`MEMORY_LINE` (GiB, 2**30): the most of :func:`record_step_peak`'s readings and of
+    :func:`record_backward_start`'s after :data:`MEMORY_WARMUP` steps. Nothing is printed where fewer CUDA steps
+    ran."""
+    if _step_peak and len(_backward_start) > MEMORY_WARMUP:
+        print(MEMORY_LINE.format(active=max(_step_peak) / 2**30,
+                                 held=max(_backward_start[MEMORY_WARMUP:]) / 2**30), flush=True)
 
 
 if "LOCAL_RANK" in os.environ:  # imported by a trainer under torchrun, not by the suite or the tests
     torch.Tensor.backward = record_backward_start(torch.Tensor.backward)
-    atexit.register(report_peak_memory)
+    register_optimizer_step_post_hook(record_step_peak)
+    atexit.register(report_step_memory)
 register_cut_flavors()
 for _name, _cls in (("torchao.fp8_grouped", TorchAOFloat8GroupedConverter),
                    ("torchao.fp8_grouped_shared", TorchAOFloat8GroupedSharedConverter)):

@@ -226,7 +226,7 @@ for st in range(start + 1, steps + 1):
         print(f"step: {st}  loss: {10 / st + 0.01 * seed:.5f}  memory: 1.50GiB(2%)  tps: 1,000  mfu: 1.00%", flush=True)
     if ckpt and st % int(opt("--checkpoint.interval")) == 0:
         open(ckpt, "w").write(str(st))
-print("mxmoe-bench peak memory: active 1.25 GiB, reserved 1.50 GiB, at backward start 1.10 GiB", flush=True)
+print("mxmoe-bench step memory: peak active 1.25 GiB, at backward start 1.10 GiB", flush=True)
 '''
 
 

@@ -854,56 +854,40 @@ def test_suite_torchao_filters_take_the_routed_experts_or_all_experts(model):
 
 
 @needs_torchtitan
-def test_suite_trainer_reports_peak_active_memory_the_suite_parses(monkeypatch, capsys):
-    """The suite's trainer module prints the allocator's peak active and reserved memory at exit (GiB), only where
-    CUDA ran, and the suite reads the active figure back from the log as ``peak_active_gib``."""
-    from benchmarks import bench_torchtitan as T
-    from benchmarks import torchtitan_job as J
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    J.report_peak_memory()
-    assert capsys.readouterr().out == ""  # CUDA never ran: nothing to report
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "memory_stats",
-                        lambda: {"active_bytes.all.peak": 41.5 * 2**30, "reserved_bytes.all.peak": 43.25 * 2**30})
-    J.report_peak_memory()
-    out = capsys.readouterr().out
-    assert out.strip() == "mxmoe-bench peak memory: active 41.50 GiB, reserved 43.25 GiB"
-    log = "step: 20  loss: 7.1  memory: 44.00GiB(31%)  tps: 70,000  mfu: 9.00%\n" + out
-    assert T.parse_log(log, 10)["peak_active_gib"] == 41.5 and T.parse_log(log, 10)["peak_gib"] == 44.0
-    assert T.parse_log(log, 10)["backward_start_gib"] is None  # no backward past the warm-up
-    assert T.parse_log(log.splitlines()[0], 10)["peak_active_gib"] is None
-
-
-@needs_torchtitan
-def test_suite_trainer_notes_memory_as_backward_starts(monkeypatch, capsys):
-    """The trainer module's ``Tensor.backward`` wrapper notes ``memory_allocated()`` before each CUDA backward
-    (and runs the backward); the exit line adds the most of those past the warm-up, which the suite reads back
-    as ``backward_start_gib``."""
+def test_suite_trainer_reports_step_memory_the_suite_parses(monkeypatch, capsys):
+    """The trainer module notes ``memory_allocated()`` before each CUDA backward (and runs the backward) and the
+    allocator's peak active bytes after each optimizer step, both past the warm-up; at exit it prints the most of
+    each, which the suite reads back as ``peak_active_gib`` and ``backward_start_gib``. Nothing is printed
+    before the warm-up is over."""
     from benchmarks import bench_torchtitan as T
     from benchmarks import torchtitan_job as J
 
     monkeypatch.setattr(J, "_backward_start", [])
-    allocated = iter([2**30 * g for g in [60.0] * J.BACKWARD_START_WARMUP + [30.5, 32.25, 31.0]])
+    monkeypatch.setattr(J, "_step_peak", [])
+    allocated = iter([2**30 * g for g in [60.0] * J.MEMORY_WARMUP + [30.5, 32.25, 31.0]])
+    peaks = iter([2**30 * g for g in [41.5, 43.0, 42.0]])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"active_bytes.all.peak": next(peaks)})
     ran = []
     backward = J.record_backward_start(lambda self, *a, **k: ran.append((self, a, k)))
     cpu = torch.ones(2)
     backward(cpu, "g")  # a CPU backward is not noted
     assert J._backward_start == [] and ran == [(cpu, ("g",), {})]
     cuda = type("CudaTensor", (), {"is_cuda": True, "device": "cuda:0"})()
-    for _ in range(J.BACKWARD_START_WARMUP + 3):
+    for step in range(J.MEMORY_WARMUP + 3):
         backward(cuda, retain_graph=True)
-    assert len(ran) == J.BACKWARD_START_WARMUP + 4 and ran[-1] == (cuda, (), {"retain_graph": True})
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "memory_stats",
-                        lambda: {"active_bytes.all.peak": 41.5 * 2**30, "reserved_bytes.all.peak": 43.25 * 2**30})
-    J.report_peak_memory()
+        J.record_step_peak(None, (), {})  # the warm-up's steps read nothing
+        if step == J.MEMORY_WARMUP - 1:
+            J.report_step_memory()
+            assert capsys.readouterr().out == "" and J._step_peak == []
+    assert len(ran) == J.MEMORY_WARMUP + 4 and ran[-1] == (cuda, (), {"retain_graph": True})
+    J.report_step_memory()
     out = capsys.readouterr().out
-    # the warm-up's 60 GiB calls are left out: the most of the rest
-    assert out.strip() == ("mxmoe-bench peak memory: active 41.50 GiB, reserved 43.25 GiB, "
-                           "at backward start 32.25 GiB")
-    parsed = T.parse_log(out, 10)
-    assert parsed["backward_start_gib"] == 32.25 and parsed["peak_active_gib"] == 41.5
+    # the warm-up's 60 GiB backward starts are left out: the most of the rest
+    assert out.strip() == "mxmoe-bench step memory: peak active 43.00 GiB, at backward start 32.25 GiB"
+    log = "step: 20  loss: 7.1  memory: 44.00GiB(31%)  tps: 70,000  mfu: 9.00%\n" + out
+    parsed = T.parse_log(log, 10)
+    assert parsed["peak_active_gib"] == 43.0 and parsed["backward_start_gib"] == 32.25 and parsed["peak_gib"] == 44.0
+    # without the line (and with the line of aa97ab4-5b10fe8, which read the resting state at exit): None
+    old = "mxmoe-bench peak memory: active 33.67 GiB, reserved 42.68 GiB, at backward start 34.08 GiB"
+    assert T.parse_log(log.splitlines()[0] + "\n" + old, 10)["peak_active_gib"] is None
