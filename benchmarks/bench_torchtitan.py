@@ -27,10 +27,10 @@ default 10; the first interval holds the compilation), ``mfu`` (torchtitan's, a 
 ``peak_gib`` (torchtitan's max reserved), ``peak_active_gib`` (the allocator's peak active memory of a step)
 and ``backward_start_gib`` (the most memory allocated as a backward began: the weights and AdamW's moments plus
 what the forward saved), both over the steps after the warm-up and printed by the trainer at exit
-(``torchtitan_job.report_step_memory``), ``loss`` (every logged step), ``steps``, ``wall_s``, ``rc``. mxmoe rows also carry ``expert_share`` (s: the routed experts' share of the
-BF16 step: their forward + backward timed alone at the run's shape, torchtitan's compiled BF16 experts, times the
-MoE layers, over the BF16 step time), ``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts',
-same timing) and ``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
+(``torchtitan_job.report_step_memory``), ``loss`` (every logged step), ``steps``, ``wall_s``, ``rc``. mxmoe rows
+also carry ``expert_share`` (s: the routed experts' share of the BF16 step: their forward + backward timed alone
+at the run's shape, torchtitan's compiled BF16 experts, times the MoE layers, over the BF16 step time),
+``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts', same timing) and ``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
 (model, method, kind, seed), each stamped with the call's commit and date, so split calls add up; a row it replaces
 is kept (without its curves) in the header's ``replaced_rows``.
 
