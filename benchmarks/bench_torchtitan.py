@@ -30,9 +30,10 @@ what the forward saved), both over the steps after the warm-up and printed by th
 (``torchtitan_job.report_step_memory``), ``loss`` (every logged step), ``steps``, ``wall_s``, ``rc``. mxmoe rows
 also carry ``expert_share`` (s: the routed experts' share of the BF16 step: their forward + backward timed alone
 at the run's shape, torchtitan's compiled BF16 experts, times the MoE layers, over the BF16 step time),
-``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts', same timing) and ``ideal_speedup`` = 1 / (1 - s + s / r). Rows are written after every run, merged into the file by
-(model, method, kind, seed), each stamped with the call's commit and date, so split calls add up; a row it replaces
-is kept (without its curves) in the header's ``replaced_rows``.
+``layer_ratio`` (r: BF16 experts' time over this recipe's converted experts', same timing) and ``ideal_speedup``
+= 1 / (1 - s + s / r). Rows are written after every run, merged into the file by (model, method, kind, seed), each
+stamped with the call's commit and date, so split calls add up; a row it replaces is kept (without its curves) in
+the header's ``replaced_rows``.
 
 ``--parity``: loss parity instead of speed, ``--parity-methods`` (bf16,mxfp8_128) x seeds 0 and 1 on
 ``--parity-model`` (dsv3-16b), 1000 steps of ``--parity-batch`` (1) sequences, ``--parallel`` (2) runs at a time

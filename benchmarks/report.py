@@ -294,8 +294,9 @@ def _torchao_of(rows: list[dict]):
 def torchtitan_section(rows: list[dict]) -> list[str]:
     checks = torchtitan_checks(rows)
     rows = [r for r in rows if r.get("kind", "speed") == "speed"]
-    head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "active GiB", "at bwd start GiB",
-            "loss at the last step", "timed steps", "expert share", "experts ratio", "ideal speed-up", "commit"]
+    head = ["model", "method", "tokens/s", "vs bf16", "vs torchao FP8", "MFU", "peak GiB", "active GiB",
+            "at bwd start GiB", "loss at the last step", "timed steps", "expert share", "experts ratio",
+            "ideal speed-up", "commit"]
     ref = {r.get("model"): r.get("tokens_per_s") for r in rows if r.get("method") == "bf16"}
     ao = _torchao_of(rows)
     body = [[str(r.get("model")), str(r.get("method")), fmt(r.get("tokens_per_s"), 0),
