@@ -44,8 +44,8 @@ torchtitan's DeepSeek-V3 debug model; an uninterrupted run, the same with ``--ch
 after step ``--resume-kill``, then resumed); a row of kind "resume" (``resume_row``). ``--launch-counts``: 30-step
 runs with step 25 profiled, rows of kind "launch_counts" beside the speed rows (the experts kernels' launches a
 step in ``profile.experts_kernels``: e.g. whether ``mxfp8_128+keep``'s recompute skips the weights'
-quantization). All are orchestrated as the speed runs are; on the CPU they are tested against a fake trainer
-(tests/test_benchmarks.py).
+quantization); their trainer waits for the GPU at each step's end, so the profiled window holds one step. All
+are orchestrated as the speed runs are; on the CPU they are tested against a fake trainer (tests/test_benchmarks.py).
 
 ``--merge FILE [FILE ...]`` (CPU is enough): folds the result files of device calls into the canonical file
 (``--out``, default ``benchmarks/results/<their gpu>/torchtitan.json``): rows by (model, method, kind, seed),
@@ -238,8 +238,8 @@ def read_profile(dump: Path) -> dict | None:
     return summary
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, **extra, PYTHONUNBUFFERED="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HF_DATASETS_CACHE="/tmp/tt_hf", WANDB_MODE="disabled", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(C.REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -451,12 +451,13 @@ def merge_files(canonical: Path, incoming: list[Path]) -> tuple[dict, list[dict]
     return head, rows
 
 
-def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
-    """Start a torchtitan run in its own process group (so a kill reaches torchrun's worker), output in ``log``."""
+def _launch(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
+    """Start a torchtitan run in its own process group (so a kill reaches torchrun's worker), output in ``log``,
+    with ``env`` added to the environment."""
     f = open(log, "w")
     f.write(" ".join(cmd) + "\n")
     f.flush()
-    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(**env), start_new_session=True)
     p.log_file = f
     return p
 
@@ -754,7 +755,10 @@ def main(argv: list[str] | None = None) -> None:
         extra = tuple(profile_flags(a.profile_step)) if a.profile_step else ()
         cmd = train_cmd(model, method, steps, str(dump), a.seed, None, extra)
         t0 = time.time()
-        rc = _finish(_launch(cmd, log), t0 + a.run_s)
+        # launch counts: the trainer waits for the GPU at each step's end (torchtitan_job.synchronize_step), so the
+        # profiled window holds exactly one step's kernels
+        sync = {"MXMOE_BENCH_SYNC_STEPS": "1"} if a.launch_counts else {}
+        rc = _finish(_launch(cmd, log, **sync), t0 + a.run_s)
         row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
                **({} if kind == "speed" else {"kind": kind}),
                **parse_log(log.read_text(errors="replace"), a.warmup)}

@@ -13,7 +13,9 @@
   ``quantize_`` call, with the same token-group alignment (16 rows, torchtitan's padding);
 * at the trainer's exit, the step's memory after the warm-up (:func:`report_step_memory`): the caching
   allocator's peak active bytes, and the bytes allocated as backward starts. torchtitan's log line gives the peak
-  *reserved*, which also counts the allocator's cached free blocks.
+  *reserved*, which also counts the allocator's cached free blocks;
+* with ``MXMOE_BENCH_SYNC_STEPS=1`` in the environment (the suite's ``--launch-counts`` runs), a wait for the GPU
+  at each step's end (:func:`synchronize_step`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,17 @@ def record_step_peak(optimizer, args, kwargs) -> None:
         _step_peak.append(torch.cuda.memory_stats()["active_bytes.all.peak"])
 
 
+SYNC_STEPS_ENV = "MXMOE_BENCH_SYNC_STEPS"
+
+
+def synchronize_step(optimizer, args, kwargs) -> None:
+    """A global optimizer step post-hook of the launch-count runs: wait for the GPU as each step ends. torch.profiler
+    keeps the GPU kernels that started between its CPU-side start and stop, and the CPU runs ahead of the GPU, so
+    without the wait the profiled step's window holds the tail of the step before and misses its own last
+    kernels; with it, the window holds that one step's kernels."""
+    torch.cuda.synchronize()
+
+
 def report_step_memory() -> None:
     """Print :data:`MEMORY_LINE` (GiB, 2**30): the most of :func:`record_step_peak`'s readings and of
     :func:`record_backward_start`'s after :data:`MEMORY_WARMUP` steps. Nothing is printed where fewer CUDA steps
@@ -141,6 +154,8 @@ if "LOCAL_RANK" in os.environ:  # imported by a trainer under torchrun, not by t
     torch.Tensor.backward = record_backward_start(torch.Tensor.backward)
     register_optimizer_step_post_hook(record_step_peak)
     atexit.register(report_step_memory)
+    if os.environ.get(SYNC_STEPS_ENV) == "1":
+        register_optimizer_step_post_hook(synchronize_step)
 register_cut_flavors()
 for _name, _cls in (("torchao.fp8_grouped", TorchAOFloat8GroupedConverter),
                    ("torchao.fp8_grouped_shared", TorchAOFloat8GroupedSharedConverter)):

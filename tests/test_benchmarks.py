@@ -220,6 +220,7 @@ steps, seed, dump = int(opt("--training.steps")), int(opt("--debug.seed", 0)), o
 ckpt = os.path.join(dump, "ckpt.txt") if "--checkpoint.enable" in a else None
 start = int(open(ckpt).read()) if ckpt and os.path.exists(ckpt) else 0
 os.makedirs(dump, exist_ok=True)
+print(f"MXMOE_BENCH_SYNC_STEPS={os.environ.get('MXMOE_BENCH_SYNC_STEPS')}", flush=True)
 for st in range(start + 1, steps + 1):
     time.sleep(0.05)
     if st == 1 or st % 5 == 0 or st == start + 1:
@@ -302,7 +303,8 @@ def test_torchtitan_launch_counts_rows_stand_beside_the_speed_rows(monkeypatch, 
     assert set(counts) == {"mxfp8_128+keep", "mxfp8_128"} and all(max(r["steps"]) == 30 for r in counts.values())
     assert all(c[2] == 30 and tuple(c[6]) == tuple(T.profile_flags(25)) for c in calls)
     assert all(r["rc"] == 0 for r in counts.values())
-    assert (tmp_path / "h200" / "torchtitan_logs" / "launch_counts_dsv3-16b_mxfp8_128_keep.txt").exists()
+    log = tmp_path / "h200" / "torchtitan_logs" / "launch_counts_dsv3-16b_mxfp8_128_keep.txt"
+    assert "MXMOE_BENCH_SYNC_STEPS=1\n" in log.read_text()  # the trainer waits for the GPU at each step's end
     text = report.torchtitan_section(rows)
     assert "| dsv3-16b | mxfp8_128+keep | " in " ".join(text) and "gather_rows" not in " ".join(text)
     assert sum("| dsv3-16b | mxfp8_128 |" in line for line in text) == 2  # the speed row and its launch counts
