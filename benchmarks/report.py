@@ -248,14 +248,15 @@ def torchtitan_checks(rows: list[dict]) -> list[str]:
                                    if re.search(r"mx_|gemm|quantize|swiglu", k)))
         body = [[str(r["model"]), str(r["method"]), str(r.get("commit", "–"))]
                 + [str((r["profile"]["experts_kernels"].get(k) or ["–"])[0]) for k in names]
-                + [fmt(r.get("peak_gib"), 2), fmt(r.get("backward_start_gib"), 2)] for r in counts]
+                + [fmt(r.get(k), 2) for k in ("peak_gib", "peak_active_gib", "backward_start_gib")] for r in counts]
         out += ["", "Launches a step of the experts' GEMM and quantization kernels (`--launch-counts`: 30-step runs, "
-                "step 25 profiled; on Hopper the weights' quantizations are `mx_quantize_cols_kernel` launches). The "
-                "profiler's window can take in launches of the steps beside step 25, so compare rows of one commit "
-                "(one call). Memory: torchtitan's reserved peak over the run, and the most allocated as a backward "
-                "began after 10 warm-up steps:",
+                "step 25 profiled; on Hopper the weights' quantizations are `mx_quantize_cols_kernel` launches). Since "
+                "54faa36 the trainer waits for the GPU at each step's end, so the window holds step 25 alone; before, "
+                "it could take in launches of the steps beside it: compare rows of one commit (one call). Memory: "
+                "torchtitan's reserved peak over the run; after 10 warm-up steps, the allocator's peak active memory "
+                "of a step and the most allocated as a backward began:",
                 ""] + table(["model", "method", "commit"] + [f"`{k[:48]}`" for k in names]
-                            + ["reserved GiB", "at bwd start GiB"], body)
+                            + ["reserved GiB", "active GiB", "at bwd start GiB"], body)
     for r in (r for r in rows if r.get("kind") == "resume"):
         out += ["", f"Kill-and-resume (`--resume-check`, {r['model']} {r['method']}, commit {r.get('commit', '–')}): "
                 f"checkpoints every {r.get('interval')} steps, killed after step {r.get('killed_after_step')}, resumed "
