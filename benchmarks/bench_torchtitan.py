@@ -78,6 +78,7 @@ from benchmarks import common as C
 SUITE = "torchtitan"
 ASSETS = Path(os.environ.get("MXMOE_TT_ASSETS", "/tmp/tt_assets"))
 VOCAB = 32768
+SYNC_STEPS_ENV = "MXMOE_BENCH_SYNC_STEPS"  # "1": the job waits for the GPU at each step's end (torchtitan_job)
 
 # name -> torchtitan model, cut flavor (torchtitan_job.CUT_FLAVORS), tokens per step, expert shape
 MODELS = {
@@ -757,7 +758,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         # launch counts: the trainer waits for the GPU at each step's end (torchtitan_job.synchronize_step), so the
         # profiled window holds exactly one step's kernels
-        sync = {"MXMOE_BENCH_SYNC_STEPS": "1"} if a.launch_counts else {}
+        sync = {SYNC_STEPS_ENV: "1"} if a.launch_counts else {}
         rc = _finish(_launch(cmd, log, **sync), t0 + a.run_s)
         row = {"model": model, "method": method, "rc": rc, "wall_s": round(time.time() - t0, 1),
                **({} if kind == "speed" else {"kind": kind}),

@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchtitan.models.moe.utils import set_token_group_alignment_size_m
 from torchtitan.protocols.model_converter import _registry_model_converter_cls, register_model_converter
 
+from benchmarks.bench_torchtitan import SYNC_STEPS_ENV
 from mxmoe.integrations.torchtitan import JobConfig  # noqa: F401  (torchtitan merges it: --mxmoe.*)
 
 # (torchtitan model name, published flavor) -> (cut flavor name, overrides). DeepSeek-V3 16B keeps its
@@ -128,9 +129,6 @@ def record_step_peak(optimizer, args, kwargs) -> None:
     step's log, the resting state: weights, gradients and moments.)"""
     if len(_backward_start) > MEMORY_WARMUP:
         _step_peak.append(torch.cuda.memory_stats()["active_bytes.all.peak"])
-
-
-SYNC_STEPS_ENV = "MXMOE_BENCH_SYNC_STEPS"
 
 
 def synchronize_step(optimizer, args, kwargs) -> None:

@@ -6,20 +6,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mxmoe.ops.router import router_logits, split_bf16
+from mxmoe.ops.router import router_logits
 from test_qdq_kernels import run_interpreted
 
 gpu = pytest.mark.gpu
 
 
-def test_split_bf16_is_exact():
+def split_bf16(w: torch.Tensor) -> torch.Tensor:
+    """Reference of the pieces (``mxmoe.kernels.layer.split_bf16``) in torch: each the nearest BF16 of
+    what the pieces before it leave."""
+    w = w.float()
+    hi = w.to(torch.bfloat16)
+    rest = w - hi.float()
+    mid = rest.to(torch.bfloat16)
+    return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
+
+
+def check_split(device: str) -> None:
+    """The split kernel: the reference's pieces bit for bit, their FP32 sum exactly w, each piece below the
+    ulp of the one before; BF16 input gives (w, 0, 0). Raises AssertionError."""
+    from mxmoe.kernels import layer
+
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 300, generator=g) * torch.exp2(torch.randint(-100, 100, (64, 300), generator=g).float())
     w[0, :4] = torch.tensor([0.0, -0.0, 1.0 + 2.0**-23, -(2.0**-126)])
-    p = split_bf16(w)
+    p = layer.split_bf16(w.to(device)).cpu()
     assert p.shape == (3, 64, 300) and p.dtype == torch.bfloat16
+    assert torch.equal(p.view(torch.int16), split_bf16(w).view(torch.int16))
     assert torch.equal((p[0].float() + p[1].float()) + p[2].float(), w)
     assert (p[1].float().abs() <= p[0].float().abs() * 2.0**-8).all()  # each piece below the last one's ulp
+    b = w[:, :7].to(torch.bfloat16)
+    pb = layer.split_bf16(b.t().to(device)).cpu()  # a transposed view: split in its logical order
+    assert torch.equal(pb[0], b.t()) and not pb[1:].float().any()
+
+
+def test_split_bf16_reference_is_exact():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 300, generator=g) * torch.exp2(torch.randint(-100, 100, (64, 300), generator=g).float())
+    p = split_bf16(w)
+    assert torch.equal((p[0].float() + p[1].float()) + p[2].float(), w)
 
 
 def test_cpu_router_is_fp32_linear():
@@ -96,17 +121,17 @@ def check_kernels(device: str) -> None:
         got = layer.router_logits(eye.to(device), w3).cpu()
         assert torch.equal(got, eye.float() @ w.T), f"logits of one-hot tokens {D}x{E}"
         s = torch.exp2(torch.randint(-20, 20, (E,), generator=g).float())
-        got = layer.router_dx(torch.diag(s).to(device), w3).cpu()
+        got = layer.router_dx(layer.split_bf16(torch.diag(s).to(device)), w3).cpu()
         assert torch.equal(got, (s[:, None] * w).to(torch.bfloat16)), f"dx of one-hot gradients {D}x{E}"
         dl = torch.randn(D, E, generator=g) * torch.exp2(torch.randint(-20, 20, (D, E), generator=g).float())
-        got = layer.router_dw(dl.to(device), eye.to(device)).cpu()
+        got = layer.router_dw(layer.split_bf16(dl.to(device)), eye.to(device)).cpu()
         assert torch.equal(got, dl.T @ eye.float()), f"dw of one-hot tokens {D}x{E}"
     for T, D, E in [(77, 200, 8), (130, 96, 20), (64, 128, 128), (33, 64, 100), (600, 1024, 16), (0, 64, 8)]:
         x = (torch.randn(T, D, generator=g) * 3).to(torch.bfloat16)
         w = torch.randn(E, D, generator=g) * 0.05
         dl = torch.randn(T, E, generator=g) * torch.exp2(torch.randint(-20, 20, (T, E), generator=g).float())
         w3 = split_bf16(w)
-        x_d, w3_d, dl_d = x.to(device), w3.to(device), dl.to(device)
+        x_d, w3_d, dl_d = x.to(device), w3.to(device), layer.split_bf16(dl.to(device))
         rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()  # noqa: E731
         got = layer.router_logits(x_d, w3_d).cpu()
         assert got.shape == (T, E) and got.dtype == torch.float32
@@ -124,7 +149,8 @@ def check_kernels(device: str) -> None:
 
 
 _SCRIPT = """
-from tests.test_router import check_kernels
+from tests.test_router import check_kernels, check_split
+check_split("cpu")
 check_kernels("cpu")
 print("ok")
 """
@@ -136,19 +162,21 @@ def test_router_kernels_interpreted():
 
 @gpu
 def test_gpu_router_kernels():
+    check_split("cuda")
     check_kernels("cuda")
 
 
 @gpu
-@pytest.mark.parametrize("E", [8, 128, 160])  # 160: the F.linear path
-def test_gpu_router_autograd_matches_fp32_linear(E):
+@pytest.mark.parametrize("T, D, E", [(4096, 1024, 8), (4096, 1024, 128), (16384, 2048, 128),  # Qwen3's router
+                                     (4096, 1024, 160)])  # 160: the F.linear path
+def test_gpu_router_autograd_matches_fp32_linear(T, D, E):
     """The fast path against ``F.linear`` of FP32 copies (cuBLAS SGEMM, TF32 off): logits and dw within
     1e-5 (both FP32 sums, the tensor cores' coarser), dx the same BF16 values or, near a tie, neighbours."""
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(4096, 1024, generator=g)).to(torch.bfloat16).cuda().requires_grad_()
-    w = (torch.randn(E, 1024, generator=g) * 0.03).cuda().requires_grad_()
-    dl = torch.randn(4096, E, generator=g).cuda()
+    x = (torch.randn(T, D, generator=g)).to(torch.bfloat16).cuda().requires_grad_()
+    w = (torch.randn(E, D, generator=g) * 0.03).cuda().requires_grad_()
+    dl = torch.randn(T, E, generator=g).cuda()
     out = router_logits(x, w)
     (dx, dw) = torch.autograd.grad(out, (x, w), dl)
     ref = F.linear(x.float(), w)

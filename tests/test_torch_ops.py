@@ -37,6 +37,12 @@ def test_fake_shapes():
         x_t, sx = ops.quantize_columnwise(torch.empty(512, 40, device="cuda"), "rceil")  # [40, 512]
         w = ops.sm90_k_grouped_gemm(dy_t, sdy, x_t, sx, offs, "float32", False)
         assert (w.shape, w.dtype) == ((8, 96, 40), torch.float32)
+        xr, wr, dl = (torch.empty(*s, device="cuda", dtype=t) for s, t in (
+            ((300, 96), torch.bfloat16), ((20, 96), torch.float32), ((300, 20), torch.float32)))
+        w3, dl3 = ops.split_bf16(wr), ops.split_bf16(dl)
+        assert (w3.shape, w3.dtype, dl3.shape) == ((3, 20, 96), torch.bfloat16, (3, 300, 20))
+        assert [(t.shape, t.dtype) for t in (ops.router_logits(xr, w3), ops.router_dx(dl3, w3), ops.router_dw(dl3, xr))] == [
+            ((300, 20), torch.float32), ((300, 96), torch.bfloat16), ((20, 96), torch.float32)]
 
 
 def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):

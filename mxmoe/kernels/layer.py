@@ -14,8 +14,9 @@ validate shapes (these are reached through :mod:`mxmoe.ops`, which checks them o
 ``to_float32``              bf16/fp16/fp32 x (any shape) -> float32 copy (e.g. a weight gradient)
 ``router_logits``           bf16 x ``[T, D]``, w3 ``[3, E, D]`` bf16 (an FP32 weight's pieces, E <= 128)
                             -> FP32 ``x @ w^T`` ``[T, E]``
-``router_dx``               (dl ``[T, E]`` fp32, w3) -> ``dl @ w`` ``[T, D]`` bf16
-``router_dw``               (dl ``[T, E]`` fp32, x ``[T, D]`` bf16) -> ``dl^T @ x`` ``[E, D]`` fp32
+``split_bf16``              x (bf16/fp16/fp32, any shape) -> ``[3, *x.shape]`` bf16 pieces summing to x exactly
+``router_dx``               (dl3 ``[3, T, E]``: the pieces of FP32 dl, w3) -> ``dl @ w`` ``[T, D]`` bf16
+``router_dw``               (dl3, x ``[T, D]`` bf16) -> ``dl^T @ x`` ``[E, D]`` fp32
 ==========================  ====================================================================
 """
 
@@ -118,10 +119,13 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
     return dh
 
 
-ROUTER_MAX_EXPERTS = 128  # one tile holds a token's logits (at 256, router_dx spills ~10 KB, offline sm_90)
+ROUTER_MAX_EXPERTS = 128  # one tile of router_logits and router_dw holds all experts
 
 
-_ROUTER_BT = 64  # tokens per program of the router kernels
+_ROUTER_BT = 128  # tokens per program of router_logits
+# the router kernels' tensor-core tiles: 128 x 128 outputs in 8 warps, 3 stages (router_dw: ~192 KB of shared memory)
+_ROUTER_GEMM = dict(num_warps=8, num_stages=3)
+_ROUTER_DW_PROGRAMS = 132  # one wave of router_dw tiles (H100 / H200 SMs)
 
 
 def _router_be(E: int) -> int:
@@ -142,39 +146,51 @@ def router_logits(x: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     BE, BT = _router_be(E), _ROUTER_BT
     if T:
         _k().router_logits_kernel[(_cdiv(T, BT),)](x, w3, out, T, D, E, x.stride(0), BT=BT, BE=BE, BK=64,
-                                                   SOFT=_soft(), num_warps=4)
+                                                   SOFT=_soft(), **_ROUTER_GEMM)
     return out
 
 
-def router_dx(dl: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """``dl @ w`` ``[T, D]`` bf16 (FP32 sums, one rounding) of FP32 ``dl [T, E]`` and ``w3`` as in
-    :func:`router_logits`."""
-    dl = dl.contiguous()
-    T, E = dl.shape
+def split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x [...]`` (BF16/FP16/FP32) as three BF16 pieces ``[3, ...]`` whose FP32 sum is ``x.float()`` exactly
+    (8 + 8 + 8 significand bits; each piece the nearest BF16, ties to even, of what the pieces before it
+    leave): the operands of the router kernels' exact FP32 products from BF16 tensor cores."""
+    x = x.contiguous()
+    out = torch.empty((3, *x.shape), dtype=torch.bfloat16, device=x.device)
+    n, block = x.numel(), 1024
+    if n:
+        _k().split_bf16_kernel[(_cdiv(n, block),)](x, out, n, BLOCK=block, SOFT=_soft(), num_warps=4)
+    return out
+
+
+def router_dx(dl3: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """``dl @ w`` ``[T, D]`` bf16 (FP32 sums, one rounding) of the FP32 logits' gradient ``dl [T, E]`` given
+    as its pieces ``dl3 [3, T, E]`` (:func:`split_bf16`) and ``w3`` as in :func:`router_logits`."""
+    dl3 = dl3.contiguous()
+    T, E = dl3.shape[1:]
     D = w3.shape[2]
-    dx = torch.empty(T, D, dtype=torch.bfloat16, device=dl.device)
-    BE, BT = _router_be(E), _ROUTER_BT
+    dx = torch.empty(T, D, dtype=torch.bfloat16, device=dl3.device)
+    BK = min(64, _router_be(E))
     if T and D:
-        _k().router_dx_kernel[(_cdiv(T, BT), _cdiv(D, 64))](dl, w3, dx, T, D, E, dx.stride(0), BT=BT, BE=BE,
-                                                           BD=64, SOFT=_soft(), num_warps=4)
+        _k().router_dx_kernel[(_cdiv(T, 128), _cdiv(D, 128))](dl3, w3, dx, T, D, E, dx.stride(0), BT=128, BD=128,
+                                                              BK=BK, SOFT=_soft(), **_ROUTER_GEMM)
     return dx
 
 
-def router_dw(dl: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``dl^T @ x`` ``[E, D]`` FP32 of FP32 ``dl [T, E]`` and bf16 ``x [T, D]``: the token range is split
-    over enough programs to fill the GPU, and the partial sums are added in a fixed order (deterministic)."""
-    dl, x = dl.contiguous(), _rows_last_contiguous(x)
-    T, E = dl.shape
+def router_dw(dl3: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dl^T @ x`` ``[E, D]`` FP32 of the logits' gradient as its pieces ``dl3 [3, T, E]`` (:func:`split_bf16`)
+    and bf16 ``x [T, D]``: the token range is split over about one wave of programs, and the partial sums
+    are added in a fixed order (deterministic)."""
+    dl3, x = dl3.contiguous(), _rows_last_contiguous(x)
+    T, E = dl3.shape[1:]
     D = x.shape[1]
-    BE, BT = _router_be(E), _ROUTER_BT
-    BD = 64
-    splits = max(1, min(_cdiv(T, 4 * BT), _cdiv(264, _cdiv(D, BD))))  # ~2 programs per SM, >= 4 steps each
+    BE, BT, BD = _router_be(E), 64, 128
+    splits = max(1, min(_cdiv(T, 4 * BT), _ROUTER_DW_PROGRAMS // _cdiv(D, BD)))  # >= 4 steps each
     rows = _cdiv(_cdiv(max(T, 1), splits), BT) * BT
     splits = _cdiv(max(T, 1), rows)
     part = torch.empty(splits, E, D, dtype=torch.float32, device=x.device)
     if D:
-        _k().router_dw_kernel[(_cdiv(D, BD), splits)](dl, x, part, T, D, E, x.stride(0), rows, BT=BT, BE=BE,
-                                                     BD=BD, SOFT=_soft(), num_warps=4)
+        _k().router_dw_kernel[(_cdiv(D, BD), splits)](dl3, x, part, T, D, E, x.stride(0), rows, BT=BT, BE=BE,
+                                                     BD=BD, SOFT=_soft(), **_ROUTER_GEMM)
     return part[0] if splits == 1 else part.sum(0)
 
 

@@ -10,36 +10,28 @@ from mxmoe.backend import AUTOCAST_DEVICE_TYPES, Backend, resolve
 from mxmoe.kernels.dispatch import layer_ops_for
 
 
-def split_bf16(w: torch.Tensor) -> torch.Tensor:
-    """FP32 ``w [...]`` as three BF16 pieces ``[3, ...]`` whose FP32 sum is ``w`` exactly (8 + 8 + 8
-    significand bits; each piece the nearest BF16 of what the pieces before it leave)."""
-    w = w.float()
-    hi = w.to(torch.bfloat16)
-    rest = w - hi.float()
-    mid = rest.to(torch.bfloat16)
-    return torch.stack([hi, mid, (rest - mid.float()).to(torch.bfloat16)])
-
-
 class _RouterLogits(torch.autograd.Function):
     """FP32 ``x @ w^T`` for BF16 x from BF16 tensor cores: x is exact in BF16 and w is split into three
-    BF16 pieces (:func:`split_bf16`), so every product is exact and the sums are FP32. Backward: dx
-    rounded once to BF16, dw in FP32 (w's dtype). Saves x itself and the pieces, not an FP32 copy of x."""
+    BF16 pieces (``split_bf16`` of :mod:`mxmoe.kernels.layer`), so every product is exact and the sums are
+    FP32. Backward: the FP32 gradient of the logits split the same way; dx rounded once to BF16, dw in FP32
+    (w's dtype). Saves x itself and the pieces, not an FP32 copy of x."""
 
     @staticmethod
     def forward(ctx, x, w, be: Backend):
-        w3 = split_bf16(w.detach())
+        ops = layer_ops_for(x, be)
+        w3 = ops.split_bf16(w.detach())
         ctx.save_for_backward(x, w3)
         ctx.be, ctx.w_dtype = be, w.dtype
-        return layer_ops_for(x, be).router_logits(x, w3)
+        return ops.router_logits(x, w3)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dl):
         x, w3 = ctx.saved_tensors
         ops = layer_ops_for(x, ctx.be)
-        dl = dl.float().contiguous()
-        dx = ops.router_dx(dl, w3) if ctx.needs_input_grad[0] else None
-        dw = ops.router_dw(dl, x).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        dl3 = ops.split_bf16(dl)
+        dx = ops.router_dx(dl3, w3) if ctx.needs_input_grad[0] else None
+        dw = ops.router_dw(dl3, x).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
