@@ -121,7 +121,7 @@ def check_kernels(device: str) -> None:
         got = layer.router_logits(eye.to(device), w3).cpu()
         assert torch.equal(got, eye.float() @ w.T), f"logits of one-hot tokens {D}x{E}"
         s = torch.exp2(torch.randint(-20, 20, (E,), generator=g).float())
-        got = layer.router_dx(layer.split_bf16(torch.diag(s).to(device)), w3).cpu()
+        got = layer.router_dx(torch.diag(s).to(device), w3).cpu()
         assert torch.equal(got, (s[:, None] * w).to(torch.bfloat16)), f"dx of one-hot gradients {D}x{E}"
         dl = torch.randn(D, E, generator=g) * torch.exp2(torch.randint(-20, 20, (D, E), generator=g).float())
         got = layer.router_dw(layer.split_bf16(dl.to(device)), eye.to(device)).cpu()
@@ -131,7 +131,7 @@ def check_kernels(device: str) -> None:
         w = torch.randn(E, D, generator=g) * 0.05
         dl = torch.randn(T, E, generator=g) * torch.exp2(torch.randint(-20, 20, (T, E), generator=g).float())
         w3 = split_bf16(w)
-        x_d, w3_d, dl_d = x.to(device), w3.to(device), layer.split_bf16(dl.to(device))
+        x_d, w3_d, dl_d = x.to(device), w3.to(device), dl.to(device)
         rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()  # noqa: E731
         got = layer.router_logits(x_d, w3_d).cpu()
         assert got.shape == (T, E) and got.dtype == torch.float32
@@ -142,7 +142,7 @@ def check_kernels(device: str) -> None:
         assert dx.shape == (T, D) and dx.dtype == torch.bfloat16
         assert ((dx.double() - want_dx).abs() <= bf16_of_fp32_sum_bound(want_dx, dl.double().abs() @ w.double().abs())).all(), \
             f"dx {T}x{D}x{E}"
-        dw = layer.router_dw(dl_d, x_d).cpu()
+        dw = layer.router_dw(layer.split_bf16(dl_d), x_d).cpu()
         assert dw.shape == (E, D) and dw.dtype == torch.float32
         err = rel(dw, dl.double().T @ x.double())
         assert (T == 0 and torch.equal(dw, torch.zeros(E, D))) or err < 1e-5, f"dw {T}x{D}x{E}: rel err {err:.1e}"

@@ -41,7 +41,7 @@ def test_fake_shapes():
             ((300, 96), torch.bfloat16), ((20, 96), torch.float32), ((300, 20), torch.float32)))
         w3, dl3 = ops.split_bf16(wr), ops.split_bf16(dl)
         assert (w3.shape, w3.dtype, dl3.shape) == ((3, 20, 96), torch.bfloat16, (3, 300, 20))
-        assert [(t.shape, t.dtype) for t in (ops.router_logits(xr, w3), ops.router_dx(dl3, w3), ops.router_dw(dl3, xr))] == [
+        assert [(t.shape, t.dtype) for t in (ops.router_logits(xr, w3), ops.router_dx(dl, w3), ops.router_dw(dl3, xr))] == [
             ((300, 20), torch.float32), ((300, 96), torch.bfloat16), ((20, 96), torch.float32)]
 
 

@@ -15,8 +15,8 @@ validate shapes (these are reached through :mod:`mxmoe.ops`, which checks them o
 ``router_logits``           bf16 x ``[T, D]``, w3 ``[3, E, D]`` bf16 (an FP32 weight's pieces, E <= 128)
                             -> FP32 ``x @ w^T`` ``[T, E]``
 ``split_bf16``              x (bf16/fp16/fp32, any shape) -> ``[3, *x.shape]`` bf16 pieces summing to x exactly
-``router_dx``               (dl3 ``[3, T, E]``: the pieces of FP32 dl, w3) -> ``dl @ w`` ``[T, D]`` bf16
-``router_dw``               (dl3, x ``[T, D]`` bf16) -> ``dl^T @ x`` ``[E, D]`` fp32
+``router_dx``               (dl ``[T, E]`` fp32, w3) -> ``dl @ w`` ``[T, D]`` bf16
+``router_dw``               (dl3 ``[3, T, E]``: the pieces of FP32 dl, x ``[T, D]`` bf16) -> ``dl^T @ x`` ``[E, D]`` fp32
 ==========================  ====================================================================
 """
 
@@ -119,13 +119,16 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
     return dh
 
 
-ROUTER_MAX_EXPERTS = 128  # one tile of router_logits and router_dw holds all experts
+ROUTER_MAX_EXPERTS = 128  # one tile of each router kernel holds all experts
 
 
-_ROUTER_BT = 128  # tokens per program of router_logits
-# the router kernels' tensor-core tiles: 128 x 128 outputs in 8 warps, 3 stages (router_dw: ~192 KB of shared memory)
-_ROUTER_GEMM = dict(num_warps=8, num_stages=3)
-_ROUTER_DW_PROGRAMS = 132  # one wave of router_dw tiles (H100 / H200 SMs)
+_SMS = 132  # H100 / H200
+
+
+def _router_dw_programs(BE: int) -> int:
+    """Programs of router_dw that run at once (its [BE, 128] tiles, 8 warps, 3 stages; offline sm_90 compile): up
+    to 32 experts ~36 KB of shared memory and 80 registers, 3 per SM; at 64-128 experts 123-192 KB, 1 per SM."""
+    return _SMS * (3 if BE <= 32 else 1)
 
 
 def _router_be(E: int) -> int:
@@ -143,10 +146,11 @@ def router_logits(x: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     T, D = x.shape
     E = w3.shape[1]
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    BE, BT = _router_be(E), _ROUTER_BT
+    BE = _router_be(E)
+    BT, warps = (128, 8) if BE == 128 else (64, 4)  # H100: 51 against 63 us at Qwen3's 128; 2-3% slower below
     if T:
         _k().router_logits_kernel[(_cdiv(T, BT),)](x, w3, out, T, D, E, x.stride(0), BT=BT, BE=BE, BK=64,
-                                                   SOFT=_soft(), **_ROUTER_GEMM)
+                                                   SOFT=_soft(), num_warps=warps)
     return out
 
 
@@ -162,35 +166,35 @@ def split_bf16(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def router_dx(dl3: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """``dl @ w`` ``[T, D]`` bf16 (FP32 sums, one rounding) of the FP32 logits' gradient ``dl [T, E]`` given
-    as its pieces ``dl3 [3, T, E]`` (:func:`split_bf16`) and ``w3`` as in :func:`router_logits`."""
-    dl3 = dl3.contiguous()
-    T, E = dl3.shape[1:]
+def router_dx(dl: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """``dl @ w`` ``[T, D]`` bf16 (FP32 sums, one rounding) of FP32 ``dl [T, E]`` and ``w3`` as in
+    :func:`router_logits`."""
+    dl = dl.contiguous()
+    T, E = dl.shape
     D = w3.shape[2]
-    dx = torch.empty(T, D, dtype=torch.bfloat16, device=dl3.device)
-    BK = min(64, _router_be(E))
+    dx = torch.empty(T, D, dtype=torch.bfloat16, device=dl.device)
+    BE, BT = _router_be(E), 64
     if T and D:
-        _k().router_dx_kernel[(_cdiv(T, 128), _cdiv(D, 128))](dl3, w3, dx, T, D, E, dx.stride(0), BT=128, BD=128,
-                                                              BK=BK, SOFT=_soft(), **_ROUTER_GEMM)
+        _k().router_dx_kernel[(_cdiv(T, BT), _cdiv(D, 64))](dl, w3, dx, T, D, E, dx.stride(0), BT=BT, BE=BE,
+                                                           BD=64, SOFT=_soft(), num_warps=4)
     return dx
 
 
 def router_dw(dl3: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``dl^T @ x`` ``[E, D]`` FP32 of the logits' gradient as its pieces ``dl3 [3, T, E]`` (:func:`split_bf16`)
-    and bf16 ``x [T, D]``: the token range is split over about one wave of programs, and the partial sums
-    are added in a fixed order (deterministic)."""
+    and bf16 ``x [T, D]``: tensor-core tiles [E, 128] over token ranges, as many as run at once, the pieces
+    of dl read transposed from shared memory; the partial sums are added in a fixed order (deterministic)."""
     dl3, x = dl3.contiguous(), _rows_last_contiguous(x)
     T, E = dl3.shape[1:]
     D = x.shape[1]
     BE, BT, BD = _router_be(E), 64, 128
-    splits = max(1, min(_cdiv(T, 4 * BT), _ROUTER_DW_PROGRAMS // _cdiv(D, BD)))  # >= 4 steps each
+    splits = max(1, min(_cdiv(T, 4 * BT), _router_dw_programs(BE) // _cdiv(D, BD)))  # >= 4 steps each
     rows = _cdiv(_cdiv(max(T, 1), splits), BT) * BT
     splits = _cdiv(max(T, 1), rows)
     part = torch.empty(splits, E, D, dtype=torch.float32, device=x.device)
     if D:
         _k().router_dw_kernel[(_cdiv(D, BD), splits)](dl3, x, part, T, D, E, x.stride(0), rows, BT=BT, BE=BE,
-                                                     BD=BD, SOFT=_soft(), **_ROUTER_GEMM)
+                                                     BD=BD, SOFT=_soft(), num_warps=8, num_stages=3)
     return part[0] if splits == 1 else part.sum(0)
 
 

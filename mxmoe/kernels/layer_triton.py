@@ -240,24 +240,26 @@ def split_bf16_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, SOFT: tl.constexpr
 
 @triton.jit
 def router_dx_kernel(dl_ptr, w_ptr, dx_ptr, T, D, E, stride_dx,
-                     BT: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, SOFT: tl.constexpr):
-    """dx [T, D] = dl @ w in FP32, rounded once to dx's dtype, from the BF16 pieces of both, dl [3, T, E] and
-    w [3, E, D] (:func:`_split3_bf16`): the six products of pieces whose combined weight is at least 2^-16 of
-    the leading one, smallest first, as one K loop over the pieces' E columns (a plain pipelined GEMM)."""
+                     BT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr, SOFT: tl.constexpr):
+    """dx [T, D] = dl @ w in FP32, rounded once to dx's dtype, for FP32 dl [T, E] and w [3, E, D] (the
+    FP32 weight's BF16 pieces): dl split into BF16 pieces too, every product of pieces whose combined
+    weight is at least 2^-16 of the leading one (6 of the 9), smallest first."""
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
-    acc = tl.zeros([BT, BD], dtype=tl.float32)
-    nk = tl.cdiv(E, BK)
-    for i in range(0, 6 * nk):
-        p = i // nk  # product p of pieces (dl, w): (lo, hi), (mid, mid), (hi, lo), (mid, hi), (hi, mid), (hi, hi)
-        a = tl.where(p < 3, 2 - p, tl.where(p == 3, 1, 0)).to(tl.int64)  # 0 hi, 1 mid, 2 lo
-        b = tl.where(p < 3, p, tl.where(p == 4, 1, 0)).to(tl.int64)
-        k = (i - p * nk) * BK + tl.arange(0, BK)
-        dl = tl.load(dl_ptr + (a * T + t[:, None]) * E + k[None, :], mask=(t < T)[:, None] & (k < E)[None, :],
-                     other=0.0)
-        w = tl.load(w_ptr + (b * E + k[:, None]) * D + d[None, :], mask=(k < E)[:, None] & (d < D)[None, :],
-                    other=0.0)
-        acc = _dot_bf16(dl, w, acc, SOFT)
+    e = tl.arange(0, BE)
+    dl = tl.load(dl_ptr + t[:, None] * E + e[None, :], mask=(t < T)[:, None] & (e < E)[None, :], other=0.0)
+    d_hi, d_mid, d_lo = _split3_bf16(dl, SOFT)
+    wm = (e < E)[:, None] & (d < D)[None, :]
+    w_off = e[:, None].to(tl.int64) * D + d[None, :]
+    w_hi = tl.load(w_ptr + w_off, mask=wm, other=0.0)
+    w_mid = tl.load(w_ptr + E * D + w_off, mask=wm, other=0.0)
+    w_lo = tl.load(w_ptr + 2 * E * D + w_off, mask=wm, other=0.0)
+    acc = _dot_bf16(d_lo, w_hi, tl.zeros([BT, BD], dtype=tl.float32), SOFT)
+    acc = _dot_bf16(d_mid, w_mid, acc, SOFT)
+    acc = _dot_bf16(d_hi, w_lo, acc, SOFT)
+    acc = _dot_bf16(d_mid, w_hi, acc, SOFT)
+    acc = _dot_bf16(d_hi, w_mid, acc, SOFT)
+    acc = _dot_bf16(d_hi, w_hi, acc, SOFT)
     _store_as(dx_ptr + t[:, None] * stride_dx + d[None, :], acc, (t < T)[:, None] & (d < D)[None, :], SOFT)
 
 

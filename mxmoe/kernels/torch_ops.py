@@ -39,8 +39,8 @@ Shapes (``...`` = optional leading batch dim, e.g. experts):
 ``to_float32``              bf16/fp16/fp32 x -> float32 copy
 ``router_logits``           (x ``[T, D]`` bf16, w3 ``[3, E, D]`` bf16 pieces of an FP32 weight) -> FP32 ``[T, E]``
 ``split_bf16``              x (bf16/fp16/fp32) -> ``[3, *x.shape]`` bf16 pieces whose FP32 sum is x exactly
-``router_dx``               (dl3 ``[3, T, E]`` bf16 pieces of the FP32 logits' gradient, w3) -> bf16 ``[T, D]``
-``router_dw``               (dl3, x ``[T, D]`` bf16) -> FP32 ``[E, D]``
+``router_dx``               (dl ``[T, E]`` fp32, w3) -> bf16 ``[T, D]``
+``router_dw``               (dl3 ``[3, T, E]`` bf16 pieces of the FP32 logits' gradient, x ``[T, D]`` bf16) -> FP32 ``[E, D]``
 ``sm90_m_grouped_gemm``     (a ``[M, K]``, sa, b ``[E, N, K]``, sb, offs) -> ``[M, N]``
 ``sm90_k_grouped_gemm``     (a ``[N, T]``, sa, b ``[K, T]``, sb, offs) -> ``[E, N, K]``
 ``sm90_mx128_m_grouped_gemm``  as ``sm90_m_grouped_gemm``, 1x128 activations x 128x128 weight tiles
@@ -312,10 +312,10 @@ def split_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 @_op
-def router_dx(dl3: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+def router_dx(dl: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     from mxmoe.kernels import layer
 
-    return layer.router_dx(dl3, w3)
+    return layer.router_dx(dl, w3)
 
 
 @_op
@@ -405,7 +405,7 @@ swiglu_backward.register_fake(lambda da, h, h_scale=None: h.new_empty(h.shape, d
 to_float32.register_fake(lambda x: x.new_empty(x.shape, dtype=torch.float32))
 router_logits.register_fake(lambda x, w3: x.new_empty((x.shape[0], w3.shape[1]), dtype=torch.float32))
 split_bf16.register_fake(lambda x: x.new_empty((3, *x.shape), dtype=torch.bfloat16))
-router_dx.register_fake(lambda dl3, w3: dl3.new_empty((dl3.shape[1], w3.shape[2]), dtype=torch.bfloat16))
+router_dx.register_fake(lambda dl, w3: dl.new_empty((dl.shape[0], w3.shape[2]), dtype=torch.bfloat16))
 router_dw.register_fake(lambda dl3, x: dl3.new_empty((dl3.shape[2], x.shape[1]), dtype=torch.float32))
 sm90_m_grouped_gemm.register_fake(
     lambda a, a_scale, b, b_scale, offs, out_dtype, weight_block:

@@ -13,8 +13,8 @@ from mxmoe.kernels.dispatch import layer_ops_for
 class _RouterLogits(torch.autograd.Function):
     """FP32 ``x @ w^T`` for BF16 x from BF16 tensor cores: x is exact in BF16 and w is split into three
     BF16 pieces (``split_bf16`` of :mod:`mxmoe.kernels.layer`), so every product is exact and the sums are
-    FP32. Backward: the FP32 gradient of the logits split the same way; dx rounded once to BF16, dw in FP32
-    (w's dtype). Saves x itself and the pieces, not an FP32 copy of x."""
+    FP32. Backward: dx from the logits' FP32 gradient (split in the kernel), rounded once to BF16; dw from that
+    gradient's pieces, in FP32 (w's dtype). Saves x itself and the pieces, not an FP32 copy of x."""
 
     @staticmethod
     def forward(ctx, x, w, be: Backend):
@@ -29,9 +29,9 @@ class _RouterLogits(torch.autograd.Function):
     def backward(ctx, dl):
         x, w3 = ctx.saved_tensors
         ops = layer_ops_for(x, ctx.be)
-        dl3 = ops.split_bf16(dl)
-        dx = ops.router_dx(dl3, w3) if ctx.needs_input_grad[0] else None
-        dw = ops.router_dw(dl3, x).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        dl = dl.float().contiguous()
+        dx = ops.router_dx(dl, w3) if ctx.needs_input_grad[0] else None
+        dw = ops.router_dw(ops.split_bf16(dl), x).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
