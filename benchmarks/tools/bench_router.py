@@ -23,6 +23,7 @@ import torch
 # appended, not prepended: an older mxmoe first on PYTHONPATH stays the one imported
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import mxmoe  # noqa: E402  (the tree being timed: the first on PYTHONPATH, else the repository's)
 from benchmarks import common as C  # noqa: E402
 
 SHAPES = {  # name: (tokens T, model dim D, experts E) of the router
@@ -75,12 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="result file; rows of other labels already there are kept")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     a = ap.parse_args(argv)
-    old = json.load(open(a.out)) if os.path.exists(a.out) else {"header": C.header("router", False), "rows": []}
+    now = C.header("router", False)
+    old = json.load(open(a.out)) if os.path.exists(a.out) else {"header": now, "rows": []}
     rows = [r for r in old["rows"] if r["label"] != a.label] + measure(a.label, a.shapes.split(","))
     head = old["header"]
-    import mxmoe
-
-    head.setdefault("labels", {})[a.label] = {**C.header("router", False)["git"], "mxmoe": os.path.dirname(mxmoe.__file__)}
+    head.setdefault("labels", {})[a.label] = {**now["git"], "mxmoe": os.path.dirname(mxmoe.__file__)}
     C.write_result(a.out, head, rows)
 
 
