@@ -168,6 +168,9 @@ def test_gpu_router_kernels():
 
 @gpu
 @pytest.mark.parametrize("T, D, E", [(4096, 1024, 8), (4096, 1024, 128), (16384, 2048, 128),  # Qwen3's router
+                                     # Mixtral's and DeepSeek-V3 EP 8's: dw's longest token splits (H100,
+                                     # 2026-12-06: 4.5e-6 and 7.7e-6 against FP64; 1.1e-5 and 1.8e-5 at 8ed0f69)
+                                     (16384, 4096, 8), (16384, 7168, 32),
                                      (4096, 1024, 160)])  # 160: the F.linear path
 def test_gpu_router_autograd_matches_fp32_linear(T, D, E):
     """The fast path against ``F.linear`` of FP32 copies (cuBLAS SGEMM, TF32 off): logits and dw within
