@@ -19,7 +19,8 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# appended, not prepended: an older mxmoe first on PYTHONPATH stays the one imported
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks import common as C  # noqa: E402
 from benchmarks.bench_gemm import scale_1x128, scale_tiles  # noqa: E402

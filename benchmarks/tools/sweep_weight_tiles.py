@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# appended, not prepended: an older mxmoe first on PYTHONPATH stays the one imported
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from mxmoe.kernels import quantize as Q, quantize_tile_config as QT  # noqa: E402
 
