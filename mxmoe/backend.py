@@ -50,6 +50,24 @@ def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+SM_COUNT_STAND_IN = 132  # H100 SXM / H200: what sm_count answers where no GPU runs the kernel (CPU, interpreter)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached per CUDA device): the persistent kernels' grid size.
+
+    A CPU device (the Triton interpreter) answers :data:`SM_COUNT_STAND_IN`, so interpreted runs take the grids of
+    an H100 / H200."""
+    if device.type != "cuda":
+        return SM_COUNT_STAND_IN
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """Whether Triton imports here (the kernels' compiler; optional for ``import mxmoe``)."""

@@ -107,3 +107,16 @@ def test_cli_info_prints_every_recipe(capsys):
     with pytest.raises(SystemExit) as e:
         main(["info", "--device", "nope"])
     assert e.value.code == 2
+
+
+def test_sm_count_stands_in_for_an_h100_without_a_gpu():
+    """The persistent grids' SM count: 132 (H100 SXM / H200) where no GPU runs the kernel (the interpreter)."""
+    import torch
+    assert backend.sm_count(torch.device("cpu")) == backend.SM_COUNT_STAND_IN == 132
+
+
+@pytest.mark.gpu
+def test_gpu_sm_count_is_the_device_s():
+    import torch
+    want = torch.cuda.get_device_properties(0).multi_processor_count
+    assert backend.sm_count(torch.device("cuda")) == backend.sm_count(torch.device("cuda", 0)) == want

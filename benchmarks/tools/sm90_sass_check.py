@@ -27,9 +27,8 @@ def _install_compile_only():
     """Make every kernel[grid](...) launch a compile-only warmup; returns the list the kernels land in."""
     import mxmoe.kernels.sm90_gemm_promote32 as G32
     import mxmoe.kernels.sm90_gemm_promote128 as G128
-    for G in (G32, G128):  # (the launchers' own references to the checks)
+    for G in (G32, G128):  # (the launchers' own references to the check; CPU tensors size grids for 132 SMs)
         G._check_sm90 = lambda t: None
-        G._num_sms = lambda device: 132
     return install_compile_only()
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from mxmoe.backend import interpreting as _soft
+from mxmoe.backend import sm_count
 from mxmoe.kernels.quantize_launch import triton_cdiv as _cdiv
 
 _BLOCK_ROWS, _BLOCK_COLS, _WARPS = 4, 1024, 4  # [4, 1024] tiles: 8 KB of BF16 per program, 16-byte accesses
@@ -122,13 +123,10 @@ def swiglu_backward(da: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor | N
 ROUTER_MAX_EXPERTS = 128  # one tile of each router kernel holds all experts
 
 
-_SMS = 132  # H100 / H200
-
-
-def _router_dw_programs(BE: int) -> int:
+def _router_dw_programs(BE: int, sms: int) -> int:
     """Programs of router_dw that run at once (its [BE, 128] tiles, 8 warps, 3 stages; offline sm_90 compile): up
     to 32 experts ~36 KB of shared memory and 80 registers, 3 per SM; at 64-128 experts 123-192 KB, 1 per SM."""
-    return _SMS * (3 if BE <= 32 else 1)
+    return sms * (3 if BE <= 32 else 1)
 
 
 def _router_be(E: int) -> int:
@@ -188,7 +186,7 @@ def router_dw(dl3: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     T, E = dl3.shape[1:]
     D = x.shape[1]
     BE, BT, BD = _router_be(E), 64, 128
-    splits = max(1, min(_cdiv(T, 4 * BT), _router_dw_programs(BE) // _cdiv(D, BD)))  # >= 4 steps each
+    splits = max(1, min(_cdiv(T, 4 * BT), _router_dw_programs(BE, sm_count(x.device)) // _cdiv(D, BD)))  # >= 4 steps each
     rows = _cdiv(_cdiv(max(T, 1), splits), BT) * BT
     splits = _cdiv(max(T, 1), rows)
     part = torch.empty(splits, E, D, dtype=torch.float32, device=x.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mxmoe.backend import interpreting, resolve
+from mxmoe.backend import interpreting, resolve, sm_count
 from mxmoe.formats import BLOCK, ScaleRule
 from mxmoe.kernels.quantize_tile_config import _GLUON_VEC, _gluon_k_fast, _gluon_tile
 from mxmoe.layouts import blocked_numel
@@ -161,5 +161,4 @@ def _persistent_grid(kernel, args, kwargs, total: int, device: torch.device) -> 
         except Exception:  # pragma: no cover - older/newer triton internals: keep the default
             pass
         _OCCUPANCY[key] = per_sm
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(total, per_sm * n_sm))
+    return max(1, min(total, per_sm * sm_count(device)))

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from mxmoe.backend import sm_count
 from mxmoe.kernels.sm90_gemm_kernel import HAS_GLUON
 from mxmoe.kernels.sm90_gemm_launch import (MX_BLOCK, _check_offs, _check_operand, _check_scale, _check_sm90, _desc,
-                                            _num_sms, _out_desc, _search_steps)
+                                            _out_desc, _search_steps)
 from mxmoe.kernels.sm90_scales import sm90_m_grouped_scales, sm90_scale_layout
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, check_tile_config, sm90_mx128_tile_config
 
@@ -134,7 +135,7 @@ def sm90_mx128_m_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
     nt = triton.cdiv(N, BN)
     sa, sched = sm90_m_grouped_scales(a_scale[:, ::_SG], offs, BM, nt)  # [K/128, W]; [2, E] tiles, starts
     sb = _mx128_weight_scales(b_scale)
-    grid = (min(_num_sms(a_data.device), (triton.cdiv(M, BM) + E) * nt), )
+    grid = (min(sm_count(a_data.device), (triton.cdiv(M, BM) + E) * nt), )
     sb_block = [BK // GROUP, 32]  # 128 bytes: every stage's box starts 128-byte aligned in smem
     c_desc = _out_desc(out, cfg, sb_block[1])
     sm90_mxfp8_grouped_gemm_kernel[grid](
@@ -201,7 +202,7 @@ def sm90_mx128_k_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     sa, _, sb = sm90_mx128_scale_layouts(a_scale, b_scale)
     mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
-    grid = (min(_num_sms(a_data.device), E * mt * nt), )
+    grid = (min(sm_count(a_data.device), E * mt * nt), )
     c_desc = _out_desc(out.view(E * N, K), cfg, BN)
     sm90_mxfp8_grouped_gemm_kernel[grid](
         _desc(a_data, [BM, BK]), _desc(b_data, [BN, BK]), _desc(sa, [BK // GROUP, BM]), _desc(sb, [BK // GROUP, BN]),

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import torch
 
+from mxmoe.backend import sm_count
 from mxmoe.kernels.sm90_gemm_kernel import HAS_GLUON
 from mxmoe.kernels.sm90_gemm_launch import (MX_BLOCK, _check_offs, _check_operand, _check_scale, _check_sm90, _desc,
-                                            _num_sms, _out_desc, _search_steps)
+                                            _out_desc, _search_steps)
 from mxmoe.kernels.sm90_scales import sm90_m_grouped_scales, sm90_scale_layout
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, check_tile_config, sm90_tile_config
 
@@ -115,7 +116,7 @@ def sm90_mxfp8_m_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
         sb = sm90_scale_layout(b_scale).reshape(E * (K // MX_BLOCK), -1)  # [E*K/32, N_pad]
         sb_block = [KB, BN]
     max_tiles = (triton.cdiv(M, BM) + E) * nt
-    grid = (min(_num_sms(a.device), max_tiles), )
+    grid = (min(sm_count(a.device), max_tiles), )
     c_desc = _out_desc(out, cfg, sb_block[1])
     sm90_mxfp8_grouped_gemm_kernel[grid](
         _desc(a, [BM, BK]), _desc(b.view(E * N, K), [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, sb_block), c_desc,
@@ -187,7 +188,7 @@ def sm90_mxfp8_k_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.T
     sa = sm90_scale_layout(a_scale)  # [T/32, N_pad]
     sb = sm90_scale_layout(b_scale)  # [T/32, K_pad]
     mt, nt = triton.cdiv(N, BM), triton.cdiv(K, BN)
-    grid = (min(_num_sms(a.device), E * mt * nt), )
+    grid = (min(sm_count(a.device), E * mt * nt), )
     c_desc = _out_desc(out.view(E * N, K), cfg, BN)
     sm90_mxfp8_grouped_gemm_kernel[grid](
         _desc(a, [BM, BK]), _desc(b, [BN, BK]), _desc(sa, [KB, BM]), _desc(sb, [KB, BN]), c_desc,
