@@ -117,8 +117,11 @@ def peer_versions() -> dict[str, str]:
 
 def header(suite: str, quick: bool, **extra) -> dict:
     """The result file's header for a run of ``suite`` now: date (UTC), gpu, driver, cuda, torch, triton,
-    python, peers, git commit and dirty flag, the command line; ``extra`` (timing notes, settings) on top.
-    ``MXMOE_COMMIT`` names the commit where ``git`` cannot (the device machines' copy of .git is stale)."""
+    python, peers, git commit and dirty flag, the mxmoe package the run imported (``mxmoe_tree``: its folder,
+    relative to the repository when inside it, so a baseline timed from another tree first on ``PYTHONPATH``
+    says so), the command line; ``extra`` (timing notes, settings) on top. ``MXMOE_COMMIT`` names the commit
+    where ``git`` cannot (the device machines' copy of .git is stale)."""
+    import mxmoe
     try:
         import triton
         triton_version = triton.__version__
@@ -131,9 +134,14 @@ def header(suite: str, quick: bool, **extra) -> dict:
             "python": platform.python_version(), "peers": peer_versions(),
             "git": {"commit": os.environ.get("MXMOE_COMMIT") or _git("rev-parse", "--short=12", "HEAD"),
                     "dirty": bool(status) if status is not None and not os.environ.get("MXMOE_COMMIT") else None},
-            "quick": quick, "argv": sys.argv[1:]}
+            "mxmoe_tree": _relative_to_repo(Path(mxmoe.__file__).resolve().parent), "quick": quick,
+            "argv": sys.argv[1:]}
     head.update(extra)
     return head
+
+
+def _relative_to_repo(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def write_result(path: str | os.PathLike, head: dict, rows: list[dict]) -> None:

@@ -159,6 +159,7 @@ def test_header_and_write_result(tmp_path):
     for key in ("date", "gpu", "driver", "torch", "triton", "peers", "git", "quick"):
         assert key in head
     assert head["tokens"] == 16 and set(head["git"]) == {"commit", "dirty"}
+    assert head["mxmoe_tree"] == "mxmoe"  # the repository's own package (an older tree would show its path)
     C.write_result(tmp_path / "sub" / "layer.json", head, [{"a": 1}])
     doc = json.loads((tmp_path / "sub" / "layer.json").read_text())
     assert doc["rows"] == [{"a": 1}] and doc["header"]["suite"] == "layer"
