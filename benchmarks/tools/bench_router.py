@@ -23,7 +23,6 @@ import torch
 # appended, not prepended: an older mxmoe first on PYTHONPATH stays the one imported
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import mxmoe  # noqa: E402  (the tree being timed: the first on PYTHONPATH, else the repository's)
 from benchmarks import common as C  # noqa: E402
 
 SHAPES = {  # name: (tokens T, model dim D, experts E) of the router
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     old = json.load(open(a.out)) if os.path.exists(a.out) else {"header": now, "rows": []}
     rows = [r for r in old["rows"] if r["label"] != a.label] + measure(a.label, a.shapes.split(","))
     head = old["header"]
-    head.setdefault("labels", {})[a.label] = {**now["git"], "mxmoe": os.path.dirname(mxmoe.__file__)}
+    head.setdefault("labels", {})[a.label] = {**now["git"], "mxmoe": now["mxmoe_tree"]}  # the tree timed
     C.write_result(a.out, head, rows)
 
 
