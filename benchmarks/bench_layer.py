@@ -5,8 +5,8 @@ per-expert PyTorch loop), on the DESIGN §5 shapes at 16384 tokens per step, sam
 
 Per row (``shape``, ``recipe``, ``balance``, ``timing``): median fwd+bwd ``ms`` (CUDA events over ``--iters``
 steps after warm-up) beside ``bf16_ms`` (and ``loop_ms``) of the same timing, and from one profiled step the
-share of GPU kernel time in quantization kernels (``quant_share``) and a per-stage breakdown by kernel name
-(gemm / quantize / other). Eager rows also carry the step's peak memory and the memory held for backward
+share of GPU kernel time in quantization kernels (``quant_share``), a per-stage breakdown by kernel name
+(gemm / quantize / other) and the step's kernels in launch order with each launch's ms (``launches``). Eager rows also carry the step's peak memory and the memory held for backward
 (allocated after forward minus before), with bf16's.
 
 ``timing``: ``inductor-cudagraphs`` times the layer under ``torch.compile(fullgraph=True, mode="reduce-overhead")``
@@ -102,6 +102,10 @@ def kernel_breakdown(fn) -> dict:
     total = sum(cats.values()) or 1.0
     shares = {k: v / total for k, v in cats.items()}
     shares["top_kernels"] = [(name, round(t / total, 4)) for t, name in sorted(kernels, reverse=True)[:15]]
+    # the step's kernels in launch order, each launch's own ms (which GEMM or quantizer a difference is in)
+    seq = sorted((e.time_range.start, e.name, e.device_time_total / 1e3) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0)
+    shares["launches"] = [(name[:60], round(ms, 4)) for _, name, ms in seq]
     return shares
 
 
@@ -146,12 +150,12 @@ def run_case(name, recipe, skew, tokens, iters, dev, compile_backend=""):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     shares = kernel_breakdown(step)
-    top = shares.pop("top_kernels")
+    top, launches = shares.pop("top_kernels"), shares.pop("launches")
     if graphs:  # the graphs' memory pool was allocated before: nothing to measure
         peak = held = None
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
     return {"ms": ms, "peak_mem_gib": gib(peak), "saved_for_bwd_gib": gib(held),
-            "quant_share": shares["quantize"], "breakdown": shares, "top_kernels": top}
+            "quant_share": shares["quantize"], "breakdown": shares, "top_kernels": top, "launches": launches}
 
 
 def build_parser():
