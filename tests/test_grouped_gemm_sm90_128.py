@@ -244,6 +244,9 @@ K_CASES = [
     ([0, 384, 0, 1280, 0], 128, 256, 128),  # empty first / middle / last; odd stage counts (3, 5 x 128)
     ([1152], 200, 160, 0),  # a single group; N, K ending in partial tiles (register-store rows)
     ([128, 0, 256, 0, 0, 128, 384, 0] * 5, 128, 128, 0),  # 40 experts, skewed
+    # more tiles than CTAs (384 > 132), skewed: the tile counter hands out every tile past the first wave,
+    # the longest (2,048 tokens) first, the empty experts' zero tiles last
+    ([1280, 0, 128, 0, 384, 128, 0, 2048] + [128] * 24, 512, 384, 0),
 ]
 
 
@@ -267,10 +270,11 @@ def test_k_grouped_matches_fp64(case):
 @sm90
 @pytest.mark.gpu
 def test_k_grouped_bitwise_rerun_and_offset_check():
-    a, b, offs, _ = _k_case([512, 0, 640], 256, 256, seed=4)
-    o1 = _run_k(a, b, offs, torch.float32)
-    o2 = _run_k(a, b, offs, torch.float32)
-    assert torch.equal(o1.view(torch.int32), o2.view(torch.int32))
+    for counts, N, K in (([512, 0, 640], 256, 256), ([2048, 0, 128, 640] + [128] * 12, 512, 512)):
+        a, b, offs, _ = _k_case(counts, N, K, seed=4)
+        o1 = _run_k(a, b, offs, torch.float32)
+        o2 = _run_k(a, b, offs, torch.float32)  # the tile counter hands tiles to other CTAs: same bits
+        assert torch.equal(o1.view(torch.int32), o2.view(torch.int32)), counts
     bad = torch.tensor([512, 544, 1152], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="multiple of 128"):
         sm90_mx128_k_grouped_gemm(a.data, a.scale, b.data, b.scale, bad)

@@ -50,6 +50,16 @@ def check_all(device: str) -> None:
             want, starts = S.sm90_grouped_scale_layout(view, offs)
             same(vals, want, f"grouped {name} {counts}")
             same(sched, S._schedule_reference(offs, starts, 128, 3), f"schedule {counts}")
+    # the wgrad's schedule: experts by rows, most first, ties by id; the tile counter 0
+    for counts in [[100, 0, 333, 27, 0], [5], [0, 0], [64] * 7, many, [3, 1, 0, 200] * 9]:
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(device)
+        got = S.sm90_k_grouped_schedule(offs)
+        want = S.sm90_k_grouped_schedule_reference(offs.cpu())
+        same(got, want, f"k-grouped schedule {counts}")
+        order = want[:-1].long()
+        c = torch.tensor(counts)
+        assert sorted(order.tolist()) == list(range(len(counts))) and want[-1].item() == 0, counts
+        assert all((c[order[i]], -order[i]) >= (c[order[i + 1]], -order[i + 1]) for i in range(len(counts) - 1)), counts
 
 
 _SCRIPT = f"""
@@ -80,6 +90,8 @@ def test_bad_dtypes():
     with pytest.raises(TypeError, match="int32"):
         S.sm90_m_grouped_scales(torch.zeros(4, 4, dtype=torch.uint8).view(torch.float8_e8m0fnu),
                                 torch.tensor([4]), 128, 1)
+    with pytest.raises(TypeError, match="int32"):
+        S.sm90_k_grouped_schedule(torch.tensor([4, 8]))
 
 
 @gpu

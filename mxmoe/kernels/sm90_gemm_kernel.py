@@ -33,10 +33,18 @@ The mx128 mode (``SG=4``) keeps the same producer, scheduler and epilogue; the c
 Tile order (the "scheduler"): tiles are numbered expert by expert; inside an expert's
 sub-problem (m-tiles x n-tiles) tiles are ordered in supergroups of ``GROUP_M`` m-tiles
 (expert-wise supergrouping: concurrently running CTAs share one expert's B tiles in L2).
-CTA ``p`` takes tiles ``p, p + P, p + 2P, ...``. For the M-grouped form the wrapper computes
-each expert's tile count on the device (no host sync); the kernel finds a tile's expert by
+M-grouped (every tile the same K depth): CTA ``p`` takes tiles ``p, p + P, p + 2P, ...``; the wrapper
+computes each expert's tile count on the device (no host sync); the kernel finds a tile's expert by
 binary search over the cumulative tile counts, or (``VEC_SEARCH``; 33-128 experts by default) by one
 vector load and warp reductions (``_group_of_tile``).
+K-grouped (a tile's depth is its expert's token count, so under skewed routing tiles differ 40x): the
+tiles are ranked expert by expert in order of token count, most first (the wrapper's order, sorted on the
+device), and handed out dynamically: CTA ``p`` starts with rank ``p`` and its producer warp then draws each
+next rank from a counter in global memory (one atomic add, claimed a tile ahead), maps it to the tile's
+expert-major number (one load of the order) and passes that to the consumer partitions through a two-slot
+ring in shared memory (``_publish_tile`` / ``_take_tile``). Longest first, each to the CTA that
+frees up first: greedy list scheduling (LPT), so no CTA is left with two of the longest tiles while others
+idle. Each tile is still computed whole by one CTA in a fixed order, so reruns agree bit for bit.
 """
 
 from __future__ import annotations
@@ -106,7 +114,7 @@ if HAS_GLUON:
         """
         if K_GROUPED:
             per = MT_K * NT
-            e = tile // per
+            e = tile // per  # expert-major numbering (the producer maps the drawn tiles to it)
             local = tile - e * per
             t_lo = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
             t_hi = gl.load(offs_ptr + e)
@@ -170,45 +178,118 @@ if HAS_GLUON:
         return total
 
     @gluon.jit
+    def _load_tile(tile, it, a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
+                   offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
+                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                   SG: gl.constexpr, VEC_SEARCH: gl.constexpr):
+        """The producer's stages of one tile (ring slots it, it + 1, ...); returns the next slot count."""
+        KB: gl.constexpr = BK // 32
+        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes +
+                                sb_desc.block_type.nbytes)
+        a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
+            tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
+            GROUP_M, SEARCH_STEPS, VEC_SEARCH and SEARCH_STEPS <= 7, 1)
+        for s in range(gl.cdiv(nsteps, KB)):
+            idx = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(empty.index(idx), phase ^ 1)
+            bar = ready.index(idx)
+            mbarrier.expect(bar, nbytes)
+            kb = kb0 + s * KB
+            tma.async_copy_global_to_shared(a_desc, [a_row, kb * 32], bar, a_bufs.index(idx))
+            tma.async_copy_global_to_shared(b_desc, [b_row, kb * 32], bar, b_bufs.index(idx))
+            if SG == 1:
+                sa_r = kb
+                sb_r = sb_row0 + s * KB
+            else:
+                sa_r = kb // SG
+                sb_r = (sb_row0 + s * KB) // SG
+            tma.async_copy_global_to_shared(sa_desc, [sa_r, sa_col], bar, sa_bufs.index(idx))
+            if WB32:
+                tma.async_copy_global_to_shared(sb_desc, [sb_r, col0 // 32], bar, sb_bufs.index(idx))
+            else:
+                tma.async_copy_global_to_shared(sb_desc, [sb_r, col0], bar, sb_bufs.index(idx))
+            it += 1
+        return it
+
+    @gluon.jit
+    def _claim_tile(counter_ptr):
+        """Producer (1 warp): draw a tile number from the counter, one atomic add by lane 0 whose result stays in
+        flight in lane 0's register until :func:`_claimed_tile` reads it (a scalar atomic would be waited for at
+        once: Triton broadcasts its result through shared memory)."""
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        lane = gl.arange(0, 32, lanes)
+        return gl.atomic_add(counter_ptr + lane * 0, gl.full([32], 1, gl.int32, lanes), mask=lane == 0,
+                             sem="relaxed")
+
+    @gluon.jit
+    def _claimed_tile(claim):
+        """The counter value a :func:`_claim_tile` drew (lane 0's), as a scalar (warp shuffles)."""
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        lane = gl.arange(0, 32, lanes)
+        return gl.max(gl.where(lane == 0, claim, 0), axis=0)
+
+    @gluon.jit
+    def _publish_tile(tile_ids, tile_ready, tile_free, j, tile, TSLOTS: gl.constexpr):
+        """Producer: hand tile number ``tile`` (the CTA's j-th) to the consumers through slot j % TSLOTS of the
+        tile ring, once both consumer partitions have read the slot's previous number."""
+        slot = j % TSLOTS
+        mbarrier.wait(tile_free.index(slot), ((j // TSLOTS) & 1) ^ 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        tile_ids.index(slot).store(gl.full([1], tile, gl.int32, one))
+        mbarrier.arrive(tile_ready.index(slot), count=1)
+
+    @gluon.jit
+    def _take_tile(tile_ids, tile_ready, tile_free, j, TSLOTS: gl.constexpr, NW: gl.constexpr):
+        """Consumer (NW warps): the CTA's j-th tile number from the tile ring; the slot goes back at once."""
+        slot = j % TSLOTS
+        mbarrier.wait(tile_ready.index(slot), (j // TSLOTS) & 1)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        tile = gl.max(tile_ids.index(slot).load(one), axis=0)
+        mbarrier.arrive(tile_free.index(slot), count=1)
+        return tile
+
+    @gluon.jit
     def _producer(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
-                  offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
-                  K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  tile_ids, tile_ready, tile_free, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS,
+                  OUT_COLS, K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                  SG: gl.constexpr, VEC_SEARCH: gl.constexpr):
+                  SG: gl.constexpr, VEC_SEARCH: gl.constexpr, TSLOTS: gl.constexpr):
         """TMA warp: fill the smem ring with A, B tiles and their scales, stage by stage.
 
         SG: 32-blocks per scale row (1: one row per 32 of K; 4: the 128-deep groups of the mx128 mode,
         one scale row per 128 of K)."""
-        KB: gl.constexpr = BK // 32
-        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes +
-                                sb_desc.block_type.nbytes)
         total = _num_tiles(tile_end_ptr, E, MT_K, NT, K_GROUPED)
         it = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
-                tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
-                GROUP_M, SEARCH_STEPS, VEC_SEARCH and SEARCH_STEPS <= 7, 1)
-            for s in range(gl.cdiv(nsteps, KB)):
-                idx = it % STAGES
-                phase = (it // STAGES) & 1
-                mbarrier.wait(empty.index(idx), phase ^ 1)
-                bar = ready.index(idx)
-                mbarrier.expect(bar, nbytes)
-                kb = kb0 + s * KB
-                tma.async_copy_global_to_shared(a_desc, [a_row, kb * 32], bar, a_bufs.index(idx))
-                tma.async_copy_global_to_shared(b_desc, [b_row, kb * 32], bar, b_bufs.index(idx))
-                if SG == 1:
-                    sa_r = kb
-                    sb_r = sb_row0 + s * KB
-                else:
-                    sa_r = kb // SG
-                    sb_r = (sb_row0 + s * KB) // SG
-                tma.async_copy_global_to_shared(sa_desc, [sa_r, sa_col], bar, sa_bufs.index(idx))
-                if WB32:
-                    tma.async_copy_global_to_shared(sb_desc, [sb_r, col0 // 32], bar, sb_bufs.index(idx))
-                else:
-                    tma.async_copy_global_to_shared(sb_desc, [sb_r, col0], bar, sb_bufs.index(idx))
-                it += 1
+        if K_GROUPED:
+            # Dynamic schedule: the CTA's first tile is its program id, each next one the tile counter's
+            # (tile_end_ptr[E], zeroed by the launcher), handed to the consumers through the tile ring; the
+            # launcher's expert order puts the longest tiles first (greedy longest-first list scheduling).
+            # The claim of the next tile is issued before the current tile's loads and read after them, so the
+            # atomic's round trip to L2 is hidden (a CTA claims its next tile as it starts one).
+            tile = gl.program_id(0)
+            claim = _claim_tile(tile_end_ptr + E)
+            j = 0
+            while tile < total:
+                # the drawn tile (in the launcher's expert order) as its expert-major number: the one lookup of
+                # the order, so the consumers' tile start has no dependent load beyond the group offsets
+                per = MT_K * NT
+                rank = tile // per
+                tile = gl.load(tile_end_ptr + rank) * per + (tile - rank * per)
+                _publish_tile(tile_ids, tile_ready, tile_free, j, tile, TSLOTS)
+                it = _load_tile(tile, it, a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready,
+                                empty, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED,
+                                WB32, BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)
+                tile = gl.num_programs(0) + _claimed_tile(claim)
+                claim = _claim_tile(tile_end_ptr + E)
+                j += 1
+            _publish_tile(tile_ids, tile_ready, tile_free, j, total, TSLOTS)  # total: no more tiles
+        else:
+            for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+                it = _load_tile(tile, it, a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready,
+                                empty, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED,
+                                WB32, BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)
 
     @gluon.jit
     def _load_scales(sa_rows, sb_rows, row, ROW0: gl.constexpr, BMW: gl.constexpr, BN: gl.constexpr,
@@ -347,16 +428,109 @@ if HAS_GLUON:
         gl.store(ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_desc, c_bufs,
-                  offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
+    def _consume_tile(tile, it, p_a, p_b, a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, c_ptr, c_desc, c_bufs,
+                      offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
+                      K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                      ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr, TMA_STORE: gl.constexpr,
+                      SG: gl.constexpr, CHAIN: gl.constexpr, VEC_SEARCH: gl.constexpr, mma_layout: gl.constexpr,
+                      l3: gl.constexpr):
+        """One tile of a consumer partition: its K loop (ring slots it, it + 1, ...) and its store; returns the
+        next slot count and the two wgmma partials (registers reused from tile to tile)."""
+        KB: gl.constexpr = BK // 32
+        EARLY_SCALES: gl.constexpr = WB32
+        # The tile lookup sits between two tiles' tensor-core work. VEC_SEARCH (the tile config's vec_search):
+        # the vector search, up to 256 groups here (8 registers per array) and 128 in the producer (its 24
+        # registers spilled at 256), the binary search past that.
+        a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
+            tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
+            GROUP_M, SEARCH_STEPS, VEC_SEARCH and SEARCH_STEPS <= 8, NW)
+        if WB32:
+            acc = gl.zeros([BMW, BN // 32, 32], gl.float32, l3)
+        else:
+            acc = gl.zeros([BMW, BN], gl.float32, mma_layout)
+        if SG > 1:  # mx128 mode: one promotion per 128-deep stage
+            acc, p_a, p_b, it = _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it,
+                                             nsteps // KB, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, CHAIN)
+        else:
+            for s in range(gl.cdiv(nsteps, KB)):
+                idx = it % STAGES
+                phase = (it // STAGES) & 1
+                mbarrier.wait(ready.index(idx), phase)
+                a_buf = a_bufs.index(idx)
+                b_buf = b_bufs.index(idx)
+                r0 = idx * KB
+                if nsteps - s * KB >= KB:
+                    # Full stage. Step j's wgmma runs while step j-1 is promoted. With 32x32 weights the
+                    # few scales of step j-1 are read before the wait (latency hidden behind the tensor
+                    # core); with 1x32 the 32 column scales per thread would not fit in registers.
+                    p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a)
+                    for j in gl.static_range(1, KB):
+                        if EARLY_SCALES:
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                        if j % 2 == 1:
+                            p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b)
+                            p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
+                            if not EARLY_SCALES:
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
+                                                      l3)
+                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
+                        else:
+                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
+                            p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
+                            if not EARLY_SCALES:
+                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
+                                                      l3)
+                            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
+                    # The last step retires with wait(0): no wgmma stays in flight across the loop
+                    # back-edge (that makes ptxas serialize every wgmma, warning C7514).
+                    if KB % 2 == 0:
+                        p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
+                        sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                        acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
+                    else:
+                        p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                        sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
+                        acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
+                else:
+                    # Tail stage of a contraction range that is not a multiple of BK: synchronous steps.
+                    for j in gl.static_range(KB):
+                        if j < nsteps - s * KB:
+                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3)
+                            p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
+                            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
+                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
+                # Generic-proxy reads of this stage (scales) must be ordered before the next TMA write.
+                fence_async_shared()
+                mbarrier.arrive(empty.index(idx), count=1)
+                it += 1
+        # Epilogue: the rows that belong to this tile's group (TMA store or masked stores).
+        if TMA_STORE:
+            if a_row + ROW0 + BMW <= row_hi:
+                # All BMW rows inside the group: through shared memory and one TMA store, which
+                # drains while the next tile's main loop runs (columns clipped at the tensor's edge).
+                c_buf = c_bufs.index(ROW0 // BMW)
+                tma.store_wait(0)  # the previous tile's store has finished reading c_buf
+                c_buf.store(gl.reshape(acc, [BMW, BN]).to(c_buf.dtype))
+                fence_async_shared()
+                c_row = (out_base // OUT_COLS).to(gl.int32) + a_row + ROW0
+                tma.async_copy_shared_to_global(c_desc, [c_row, col0], c_buf)
+            else:
+                _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
+        else:
+            _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
+        return it, p_a, p_b
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_desc, c_bufs, tile_ids, tile_ready,
+                  tile_free, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,
                   K_GROUPED: gl.constexpr, WB32: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                   BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                   ROW0: gl.constexpr, BMW: gl.constexpr, NW: gl.constexpr,
-                  TMA_STORE: gl.constexpr, SG: gl.constexpr, CHAIN: gl.constexpr, VEC_SEARCH: gl.constexpr):
+                  TMA_STORE: gl.constexpr, SG: gl.constexpr, CHAIN: gl.constexpr, VEC_SEARCH: gl.constexpr,
+                  TSLOTS: gl.constexpr):
         """Consumer warps (NW of them) owning rows ROW0 .. ROW0+BMW-1 of every tile: async wgmma per
         MX step, promotion of the previous step while the next one runs, then the tile's store."""
-        KB: gl.constexpr = BK // 32
-        EARLY_SCALES: gl.constexpr = WB32
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                               instr_shape=[16, BN, 32])
         p_a = gl.zeros([BMW, BN], gl.float32, mma_layout)
@@ -369,87 +543,22 @@ if HAS_GLUON:
         sb_rows = sb_bufs._reinterpret(sb_bufs.dtype, [STAGES * sb_bufs.shape[1], sb_bufs.shape[2]], plain)
         total = _num_tiles(tile_end_ptr, E, MT_K, NT, K_GROUPED)
         it = 0
-        for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-            # The tile lookup sits between two tiles' tensor-core work. VEC_SEARCH (the tile config's vec_search):
-            # the vector search, up to 256 groups here (8 registers per array) and 128 in the producer (its 24
-            # registers spilled at 256), the binary search past that.
-            a_row, b_row, kb0, sb_row0, nsteps, row_hi, col0, out_base, sa_col = _tile_info(
-                tile, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, BM, BN,
-                GROUP_M, SEARCH_STEPS, VEC_SEARCH and SEARCH_STEPS <= 8, NW)
-            if WB32:
-                acc = gl.zeros([BMW, BN // 32, 32], gl.float32, l3)
-            else:
-                acc = gl.zeros([BMW, BN], gl.float32, mma_layout)
-            if SG > 1:  # mx128 mode: one promotion per 128-deep stage
-                acc, p_a, p_b, it = _mainloop128(a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, acc, p_a, p_b, it,
-                                                 nsteps // KB, ROW0, BMW, BN, STAGES, WB32, mma_layout, l3, CHAIN)
-            else:
-                for s in range(gl.cdiv(nsteps, KB)):
-                    idx = it % STAGES
-                    phase = (it // STAGES) & 1
-                    mbarrier.wait(ready.index(idx), phase)
-                    a_buf = a_bufs.index(idx)
-                    b_buf = b_bufs.index(idx)
-                    r0 = idx * KB
-                    if nsteps - s * KB >= KB:
-                        # Full stage. Step j's wgmma runs while step j-1 is promoted. With 32x32 weights the
-                        # few scales of step j-1 are read before the wait (latency hidden behind the tensor
-                        # core); with 1x32 the 32 column scales per thread would not fit in registers.
-                        p_a = _mx_step(a_buf, b_buf, 0, ROW0, BMW, p_a)
-                        for j in gl.static_range(1, KB):
-                            if EARLY_SCALES:
-                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                            if j % 2 == 1:
-                                p_b = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_b)
-                                p_a = warpgroup_mma_wait(num_outstanding=1, deps=(p_a, ))
-                                if not EARLY_SCALES:
-                                    sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
-                                                          l3)
-                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
-                            else:
-                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
-                                p_b = warpgroup_mma_wait(num_outstanding=1, deps=(p_b, ))
-                                if not EARLY_SCALES:
-                                    sa, sb = _load_scales(sa_rows, sb_rows, r0 + j - 1, ROW0, BMW, BN, WB32, mma_layout,
-                                                          l3)
-                                acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
-                        # The last step retires with wait(0): no wgmma stays in flight across the loop
-                        # back-edge (that makes ptxas serialize every wgmma, warning C7514).
-                        if KB % 2 == 0:
-                            p_b = warpgroup_mma_wait(num_outstanding=0, deps=(p_b, ))
-                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                            acc = _promote(acc, p_b, sa, sb, BMW, BN, WB32)
-                        else:
-                            p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-                            sa, sb = _load_scales(sa_rows, sb_rows, r0 + KB - 1, ROW0, BMW, BN, WB32, mma_layout, l3)
-                            acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
-                    else:
-                        # Tail stage of a contraction range that is not a multiple of BK: synchronous steps.
-                        for j in gl.static_range(KB):
-                            if j < nsteps - s * KB:
-                                sa, sb = _load_scales(sa_rows, sb_rows, r0 + j, ROW0, BMW, BN, WB32, mma_layout, l3)
-                                p_a = _mx_step(a_buf, b_buf, j, ROW0, BMW, p_a)
-                                p_a = warpgroup_mma_wait(num_outstanding=0, deps=(p_a, ))
-                                acc = _promote(acc, p_a, sa, sb, BMW, BN, WB32)
-                    # Generic-proxy reads of this stage (scales) must be ordered before the next TMA write.
-                    fence_async_shared()
-                    mbarrier.arrive(empty.index(idx), count=1)
-                    it += 1
-            # Epilogue: the rows that belong to this tile's group (TMA store or masked stores).
-            if TMA_STORE:
-                if a_row + ROW0 + BMW <= row_hi:
-                    # All BMW rows inside the group: through shared memory and one TMA store, which
-                    # drains while the next tile's main loop runs (columns clipped at the tensor's edge).
-                    c_buf = c_bufs.index(ROW0 // BMW)
-                    tma.store_wait(0)  # the previous tile's store has finished reading c_buf
-                    c_buf.store(gl.reshape(acc, [BMW, BN]).to(c_buf.dtype))
-                    fence_async_shared()
-                    c_row = (out_base // OUT_COLS).to(gl.int32) + a_row + ROW0
-                    tma.async_copy_shared_to_global(c_desc, [c_row, col0], c_buf)
-                else:
-                    _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
-            else:
-                _store_masked(c_ptr, acc, a_row, row_hi, col0, out_base, OUT_COLS, ROW0, BMW, BN, mma_layout)
+        if K_GROUPED:  # the tiles the producer drew from the tile counter, in its order; `total` ends them
+            tile = _take_tile(tile_ids, tile_ready, tile_free, 0, TSLOTS, NW)
+            j = 1
+            while tile < total:
+                it, p_a, p_b = _consume_tile(tile, it, p_a, p_b, a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, c_ptr,
+                                             c_desc, c_bufs, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS,
+                                             OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, ROW0,
+                                             BMW, NW, TMA_STORE, SG, CHAIN, VEC_SEARCH, mma_layout, l3)
+                tile = _take_tile(tile_ids, tile_ready, tile_free, j, TSLOTS, NW)
+                j += 1
+        else:
+            for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+                it, p_a, p_b = _consume_tile(tile, it, p_a, p_b, a_bufs, b_bufs, sa_rows, sb_rows, ready, empty, c_ptr,
+                                             c_desc, c_bufs, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS,
+                                             OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, ROW0,
+                                             BMW, NW, TMA_STORE, SG, CHAIN, VEC_SEARCH, mma_layout, l3)
         if TMA_STORE:
             tma.store_wait(0)
 
@@ -457,7 +566,8 @@ if HAS_GLUON:
     def sm90_mxfp8_grouped_gemm_kernel(
             a_desc, b_desc, sa_desc, sb_desc,  # TMA descriptors: A/B data tiles, A/B scale tiles
             c_desc,  # TMA descriptor of the output ([rows, cols] view, box [rows per consumer, BN]) or None
-            c_ptr, offs_ptr, tile_end_ptr,  # output, group ends [E], [2, E] cumul. tile counts + A-scale starts
+            c_ptr, offs_ptr, tile_end_ptr,  # output, group ends [E], the schedule: M-grouped [2, E] cumulative
+            #                                 tile counts + A-scale starts, K-grouped [E + 1] the expert order + tile counter
             E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS,  # problem sizes (see _tile_info)
             K_GROUPED: gl.constexpr, WB32: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
             SEARCH_STEPS: gl.constexpr, SPLIT_WG: gl.constexpr, TMA_STORE: gl.constexpr,
@@ -480,6 +590,14 @@ if HAS_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NCONS)
+        # K-grouped: the tile ring, the producer's tile numbers to the consumers (dynamic schedule)
+        TSLOTS: gl.constexpr = 2
+        tile_ids = gl.allocate_shared_memory(gl.int32, [TSLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tile_ready = gl.allocate_shared_memory(gl.int64, [TSLOTS, 1], mbarrier.MBarrierLayout())
+        tile_free = gl.allocate_shared_memory(gl.int64, [TSLOTS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(TSLOTS):
+            mbarrier.init(tile_ready.index(i), count=1)
+            mbarrier.init(tile_free.index(i), count=NCONS)
         fence_async_shared()
 
         HALF: gl.constexpr = BM // 2
@@ -492,25 +610,28 @@ if HAS_GLUON:
         if SPLIT_WG:
             gl.static_assert(num_warps == 4)
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, tile_ids,
+                             tile_ready, tile_free, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
                              STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN,
-                             VEC_SEARCH)),
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
+                             VEC_SEARCH, TSLOTS)),
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, tile_ids,
+                             tile_ready, tile_free, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
                              STAGES, GROUP_M, SEARCH_STEPS, HALF, HALF, gl.constexpr(4), TMA_STORE, SG, CHAIN,
-                             VEC_SEARCH)),
+                             VEC_SEARCH, TSLOTS)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
-                             offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
-                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)),
+                             tile_ids, tile_ready, tile_free, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT,
+                             OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH, TSLOTS)),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, offs_ptr,
+                (_consumer, (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_ptr, c_tma, c_bufs, tile_ids,
+                             tile_ready, tile_free, offs_ptr,
                              tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK,
                              STAGES, GROUP_M, SEARCH_STEPS, gl.constexpr(0), BM, num_warps, TMA_STORE, SG, CHAIN,
-                             VEC_SEARCH)),
+                             VEC_SEARCH, TSLOTS)),
                 (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
-                             offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT, OUT_ROWS, OUT_COLS, K_GROUPED, WB32,
-                             BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH)),
+                             tile_ids, tile_ready, tile_free, offs_ptr, tile_end_ptr, E, N_B, KSTEPS, MT_K, NT,
+                             OUT_ROWS, OUT_COLS, K_GROUPED, WB32, BM, BN, BK, STAGES, GROUP_M, SEARCH_STEPS, SG, VEC_SEARCH, TSLOTS)),
             ], [1], [24])

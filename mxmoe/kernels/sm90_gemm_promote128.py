@@ -24,7 +24,7 @@ from mxmoe.backend import sm_count
 from mxmoe.kernels.sm90_gemm_kernel import HAS_GLUON
 from mxmoe.kernels.sm90_gemm_launch import (MX_BLOCK, _check_offs, _check_operand, _check_scale, _check_sm90, _desc,
                                             _out_desc, _search_steps)
-from mxmoe.kernels.sm90_scales import sm90_m_grouped_scales, sm90_scale_layout
+from mxmoe.kernels.sm90_scales import sm90_k_grouped_schedule, sm90_m_grouped_scales, sm90_scale_layout
 from mxmoe.kernels.sm90_tile_config import Sm90TileConfig, check_tile_config, sm90_mx128_tile_config
 
 if HAS_GLUON:
@@ -206,7 +206,7 @@ def sm90_mx128_k_grouped_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_dat
     c_desc = _out_desc(out.view(E * N, K), cfg, BN)
     sm90_mxfp8_grouped_gemm_kernel[grid](
         _desc(a_data, [BM, BK]), _desc(b_data, [BN, BK]), _desc(sa, [BK // GROUP, BM]), _desc(sb, [BK // GROUP, BN]),
-        c_desc, out, offs, offs, E, 0, 0, mt, nt, N, K,
+        c_desc, out, offs, sm90_k_grouped_schedule(offs), E, 0, 0, mt, nt, N, K,
         K_GROUPED=True, WB32=False, STAGES=cfg.stages, GROUP_M=cfg.group_m, SEARCH_STEPS=0, VEC_SEARCH=False,
         SPLIT_WG=cfg.split_wg, TMA_STORE=c_desc is not None, num_warps=4 if cfg.split_wg else 8,
         maxnreg=cfg.maxnreg, SG=_SG, CHAIN=cfg.chain)

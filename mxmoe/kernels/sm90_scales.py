@@ -9,6 +9,8 @@ on the CUDA cores and reads them as FP32 values ``2^(b-127)`` (byte 0xFF -> NaN,
 * :func:`sm90_m_grouped_scales`: the activations of an M-grouped product, ``[M, C]`` -> ``[C, W]`` with
   each expert's rows starting at a multiple of 4 columns (a TMA box must start 16-byte aligned), and the
   kernel's schedule ``[2, E]`` (cumulative tile counts; each group's first column).
+* :func:`sm90_k_grouped_schedule`: the K-grouped (wgrad) kernel's schedule ``[E + 1]``: the experts by row
+  count, most first, and the tile counter its CTAs draw tiles from.
 
 Each is one Triton launch on CUDA (the layer calls them for every product, so the count of launches is
 host time on the step's critical path: the torch compositions they replace were ~20 small kernels per
@@ -31,7 +33,8 @@ try:  # Triton is optional: `import mxmoe` must work without it.
 except Exception:  # pragma: no cover - depends on the installed triton
     HAS_TRITON = False
 
-__all__ = ["sm90_scale_layout", "sm90_scale_layout_reference", "sm90_grouped_scale_layout", "sm90_m_grouped_scales"]
+__all__ = ["sm90_scale_layout", "sm90_scale_layout_reference", "sm90_grouped_scale_layout", "sm90_m_grouped_scales",
+           "sm90_k_grouped_schedule", "sm90_k_grouped_schedule_reference"]
 
 ALIGN = 4  # columns: a group's first scale starts 16 bytes into an FP32 row
 MAX_GROUPS_ONE_BLOCK = 1024  # sm90_m_grouped_scales keeps every group's offset in registers up to here
@@ -84,6 +87,13 @@ def _schedule_reference(offs: torch.Tensor, starts: torch.Tensor, block_m: int, 
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     tile_end = torch.cumsum((counts + block_m - 1) // block_m * n_tiles, 0, dtype=torch.int32)
     return torch.stack([tile_end, starts])
+
+
+def sm90_k_grouped_schedule_reference(offs: torch.Tensor) -> torch.Tensor:
+    """Pure-torch :func:`sm90_k_grouped_schedule` (same values)."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    order = torch.sort(counts.long() * -1, stable=True).indices  # most rows first; ties by expert id
+    return torch.cat([order.to(torch.int32), offs.new_zeros(1)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,6 +156,19 @@ if HAS_TRITON:
             tiles = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M * N_TILES, 0)
             tl.store(sched_ptr + e, tiles, mask=in_e)
             tl.store(sched_ptr + E + e, starts_incl - padded, mask=in_e)
+
+
+    @triton.jit
+    def _k_grouped_schedule_kernel(offs_ptr, sched_ptr, E, EP2: tl.constexpr):
+        """sched[:E] = the experts sorted by row count, most first (ties: lower id first); sched[E] = 0."""
+        e = tl.arange(0, EP2)
+        in_e = e < E
+        ends = tl.load(offs_ptr + e, mask=in_e, other=0)
+        prev = tl.load(offs_ptr + e - 1, mask=in_e & (e > 0), other=0)
+        rows = tl.where(in_e, ends - prev, -1).to(tl.int64)  # the pad lanes sort last
+        key = tl.sort(rows * EP2 + (EP2 - 1 - e), descending=True)
+        tl.store(sched_ptr + e, (EP2 - 1 - (key & (EP2 - 1))).to(tl.int32), mask=in_e)
+        tl.store(sched_ptr + E, 0)
 
 
 def _fast(t: torch.Tensor) -> bool:
@@ -217,3 +240,29 @@ def sm90_m_grouped_scales(scale: torch.Tensor, offs: torch.Tensor, block_m: int,
         u8, offs, values, sched, M, C, W, E, u8.stride(0), u8.stride(1), block_m, n_tiles,
         BLOCK_W=BW, BLOCK_K=BK, EP2=max(16, triton.next_power_of_2(E)))
     return values, sched
+
+
+def sm90_k_grouped_schedule(offs: torch.Tensor) -> torch.Tensor:
+    """The K-grouped (wgrad) kernel's schedule: int32 ``[E + 1]``, the experts in order of row count, most
+    first (ties: lower id first), then the kernel's tile counter, 0.
+
+    The kernel hands its tiles out longest first, each to the next CTA that frees up (greedy list
+    scheduling): a wgrad tile's work is its expert's rows, so under skewed routing one expert's tiles can
+    cost 40x a balanced one's, and the static round-robin order left CTAs idle behind them.
+
+    Args:
+        offs: ``[E]`` int32 cumulative END offsets (non-decreasing), on the GEMM's device.
+    Returns:
+        int32 ``[E + 1]``, fresh (the counter is the launch's own). One Triton launch on CUDA (up to 1024
+        groups; the pure-torch :func:`sm90_k_grouped_schedule_reference` past that), no host sync.
+    Raises:
+        TypeError: ``offs`` not int32.
+    """
+    if offs.dtype != torch.int32:
+        raise TypeError(f"offs must be torch.int32, got {offs.dtype}")
+    E = offs.shape[0]
+    if not _fast(offs) or E > MAX_GROUPS_ONE_BLOCK or E == 0:
+        return sm90_k_grouped_schedule_reference(offs)
+    sched = torch.empty(E + 1, dtype=torch.int32, device=offs.device)
+    _k_grouped_schedule_kernel[(1, )](offs, sched, E, EP2=max(16, triton.next_power_of_2(E)))
+    return sched
