@@ -6,8 +6,9 @@ per-expert PyTorch loop), on the DESIGN §5 shapes at 16384 tokens per step, sam
 Per row (``shape``, ``recipe``, ``balance``, ``timing``): median fwd+bwd ``ms`` (CUDA events over ``--iters``
 steps after warm-up) beside ``bf16_ms`` (and ``loop_ms``) of the same timing, and from one profiled step the
 share of GPU kernel time in quantization kernels (``quant_share``), a per-stage breakdown by kernel name
-(gemm / quantize / other) and the step's kernels in launch order with each launch's ms (``launches``). Eager rows also carry the step's peak memory and the memory held for backward
-(allocated after forward minus before), with bf16's.
+(gemm / quantize / other) and the step's kernels in launch order with each launch's ms (``launches``). Eager
+rows also carry the step's peak memory and the memory held for backward (allocated after forward minus
+before), with bf16's.
 
 ``timing``: ``inductor-cudagraphs`` times the layer under ``torch.compile(fullgraph=True, mode="reduce-overhead")``
 (inductor: torch's elementwise work fused, our kernels as they are; the step replayed from CUDA graphs with no
@@ -107,9 +108,7 @@ def kernel_breakdown(fn) -> dict:
     shares = {k: v / total for k, v in cats.items()}
     shares["top_kernels"] = [(name, round(t / total, 4)) for t, name in sorted(kernels, reverse=True)[:15]]
     # the step's kernels in launch order, each launch's own ms (which GEMM or quantizer a difference is in)
-    seq = sorted((e.time_range.start, e.name, e.device_time_total / 1e3) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0)
-    shares["launches"] = [(name[:60], round(ms, 4)) for _, name, ms in seq]
+    shares["launches"] = [(name[:60], round(ms, 4)) for name, ms in C.kernel_launches(prof)]
     return shares
 
 

@@ -144,6 +144,13 @@ def _relative_to_repo(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
+def kernel_launches(prof) -> list[tuple[str, float]]:
+    """A torch profile's CUDA kernel launches in launch order, each as (kernel name, its device time in ms)."""
+    launches = sorted((e.time_range.start, e.name, e.device_time_total / 1e3) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0)
+    return [(name, ms) for _, name, ms in launches]
+
+
 def write_result(path: str | os.PathLike, head: dict, rows: list[dict]) -> None:
     """Write ``{"header": head, "rows": rows}`` to ``path`` (folders made); suites call it after every case,
     so a run cut short keeps what it measured."""

@@ -14,14 +14,20 @@ list before trusting them.
 """
 import argparse
 import json
+import os
 import re
+import sys
 import time
 
 import torch
 import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 
-from mxmoe import train as T
+# appended, not prepended: an older mxmoe first on PYTHONPATH stays the one imported
+sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks import common as C  # noqa: E402
+from mxmoe import train as T  # noqa: E402
 
 CATEGORIES = [  # first match wins; patterns on CUDA kernel names (nvjet and cuDNN's names hold "sm90" too)
     ("attention", r"flash|fmha|attention|sdpa"),
@@ -72,17 +78,16 @@ def profile_recipe(cfg, recipe: str, steps: int, dev: torch.device, backend: str
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    launches = C.kernel_launches(p)
     kernels = {}
-    for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            k = kernels.setdefault(e.name, [0.0, 0])
-            k[0] += e.device_time_total / 1e3 / steps  # ms per step
-            k[1] += 1
+    for name, ms in launches:
+        k = kernels.setdefault(name, [0.0, 0])
+        k[0] += ms / steps  # ms per step
+        k[1] += 1
     rows = sorted(([n, ms, c / steps] for n, (ms, c) in kernels.items()), key=lambda r: -r[1])
     # one step's MoE-layer kernels in launch order, each with its own time (which quantization is which)
     layer_cats = ("expert products", "quantization", "swiglu, permutation, combine")
-    seq = sorted((e.time_range.start, e.name, e.device_time_total / 1e3) for e in p.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA and category(e.name) in layer_cats)
+    seq = [(name, ms) for name, ms in launches if category(name) in layer_cats]
     per_step = len(seq) // steps
     cats = {}
     for n, ms, _ in rows:
@@ -90,7 +95,7 @@ def profile_recipe(cfg, recipe: str, steps: int, dev: torch.device, backend: str
     return {"eager_ms_per_step": eager_ms, "ms_per_step": sum(r[1] for r in rows),
             "categories": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
             "kernels": [{"name": n, "ms": ms, "launches": c} for n, ms, c in rows],
-            "layer_sequence": [{"name": n[:60], "ms": round(ms, 4)} for _, n, ms in seq[:per_step]]}
+            "layer_sequence": [{"name": n[:60], "ms": round(ms, 4)} for n, ms in seq[:per_step]]}
 
 
 def main():
