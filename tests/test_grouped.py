@@ -226,6 +226,8 @@ def test_prequantized_weight_operands_give_the_same_numbers(parts, device):
         grouped_linear(x, w, offs, "mxfp8_128", validate=False, w_mx=(w_mx[0], cut))
     with pytest.raises(ValueError, match=r"expects w \[E, N, K\]"):
         grouped_linear(x, ws[0][0], offs, "mxfp8_128", w_mx=w_mx)
+    with pytest.raises(ValueError, match=r"expects w \[E, N, K\]"):
+        grouped_linear(x, (), offs, "mxfp8_128", validate=False, w_mx=w_mx)  # no weight parts at all
     with pytest.raises(ValueError, match="bytes differ"):
         stale = tuple(p * 2 for p in ws)
         grouped_linear(x, stale if parts > 1 else stale[0], offs, "mxfp8_128", w_mx=w_mx)

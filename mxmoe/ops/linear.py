@@ -395,7 +395,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, recipe:
     recipe = get_recipe(recipe)
     be = backend or resolve(x.device)
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
-    if w_mx is not None and ws:
+    if w_mx is not None:  # (an empty ws fails here too, with validate or without)
         check_weight_operands(x, ws, w_mx, recipe, be, values=validate)
     if validate:
         if not ws:
