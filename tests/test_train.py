@@ -397,6 +397,11 @@ def test_sample_cli_rejects_a_missing_checkpoint(tmp_path, capsys):
         main(["sample", "--ckpt", str(tmp_path / "nope.safetensors")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "no checkpoint at" in err and "usage: mxmoe sample" in err
+    (tmp_path / "model_bf16.safetensors").write_bytes(b"")  # a run's folder given for its model file
+    with pytest.raises(SystemExit) as e:
+        main(["sample", "--ckpt", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is a folder" in err and str(tmp_path / "model_bf16.safetensors") in err
 
 
 def test_verdict_and_stored_seed_spread(monkeypatch):

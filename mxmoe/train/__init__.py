@@ -31,7 +31,7 @@ and values, forward and backward, counted without the causal mask's half, as PaL
 tokens/s, divided by :data:`PEAK_FLOPS`, the H200's dense BF16 peak of 989.4 TFLOP/s, for every recipe
 (the MXFP8 recipes too: the same yardstick, so MFU ratios are tokens/s ratios).
 
-Runs survive interruption: every ``--checkpoint-every`` steps (default 50, ~1% of a default CPU run's time;
+Runs survive interruption: every ``--checkpoint-every`` steps (default 50, under 0.5% of a default CPU run's time;
 the gpu preset 500, gpu-throughput only on a signal) and on SIGINT (Ctrl-C) or SIGTERM the recipe's model,
 optimizer, step, data-order and RNG states and metrics so far go to ``<out>/checkpoint_<recipe>.pt``, written
 atomically; after a signal the run stops and prints ``interrupted at step N; resume with: mxmoe train --resume

@@ -61,15 +61,15 @@ def load_run_config(folder: str | os.PathLike) -> TrainConfig:
     ``resume`` set to ``folder``: what ``mxmoe train --resume DIR`` runs.
 
     Raises:
-        ValueError: ``folder`` is not a folder, or holds no ``run_config.json`` (not a run with
-            ``--checkpoint-every``).
+        ValueError: ``folder`` is not a folder, or holds no ``run_config.json`` (not an ``mxmoe train``
+            output folder).
     """
     path = Path(folder) / "run_config.json"
     if not Path(folder).is_dir():
         raise ValueError(f"--resume {str(folder)!r} is not a folder")
     if not path.is_file():
-        raise ValueError(f"--resume {str(folder)!r}: no run_config.json there (it is written by a run with "
-                         "--checkpoint-every N > 0 into its --out folder)")
+        raise ValueError(f"--resume {str(folder)!r}: no run_config.json there (mxmoe train writes it into its "
+                         "--out folder as the run starts)")
     try:
         saved = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

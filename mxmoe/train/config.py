@@ -28,7 +28,7 @@ class TrainConfig:
     # kernels replayed from CUDA graphs
     compile: str = "auto"  # auto (inductor-cudagraphs on CUDA in one process, else eager), "" or none (eager), inductor, inductor-cudagraphs, cudagraphs, aot_eager, eager
     # training states <out>/checkpoint_<recipe>.pt for --resume, also written on Ctrl-C / SIGTERM (none under torchrun)
-    checkpoint_every: int = 50  # steps between checkpoints (~0.5% of a default CPU run); 0: on a signal only
+    checkpoint_every: int = 50  # steps between checkpoints (under 0.5% of a default CPU run); 0: on a signal only
     resume: str = ""  # continue the interrupted run in this folder, with its own settings (give no other flags)
     # data (mxmoe.corpus)
     data: str = ""  # "stdlib", "python-all" (stdlib + site-packages) or a .py folder; empty: python-all on CUDA, else stdlib

@@ -129,7 +129,8 @@ def run(cfg: TrainConfig) -> dict:
         plot_losses(metrics, out / "loss.png")
         print(summarize(metrics))
         print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'}, "
-              + ", ".join(str(out / f"model_{r}.safetensors") for r in recipes))
+              + ", ".join(str(out / f"model_{r}.safetensors") for r in recipes)
+              + f" (resume checkpoints and run_config.json: {out})")
     if ep.group is not None:
         parallel.shutdown_distributed()
     return metrics

@@ -30,6 +30,11 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
     from safetensors.torch import load_file
 
     path = Path(path)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("model_*.safetensors"))
+        raise FileNotFoundError(f"{path} is a folder; give one of its model files, "
+                                + (", ".join(str(path / n) for n in found) if found
+                                   else "model_<recipe>.safetensors (none there)"))
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
