@@ -68,8 +68,8 @@ def load_run_config(folder: str | os.PathLike) -> TrainConfig:
     if not Path(folder).is_dir():
         raise ValueError(f"--resume {str(folder)!r} is not a folder")
     if not path.is_file():
-        raise ValueError(f"--resume {str(folder)!r}: no run_config.json there (mxmoe train writes it into its "
-                         "--out folder as the run starts)")
+        raise ValueError(f"--resume {str(folder)!r}: no run_config.json there (mxmoe train in one process writes "
+                         "it into its --out folder as the run starts)")
     try:
         saved = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

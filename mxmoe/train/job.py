@@ -130,7 +130,7 @@ def run(cfg: TrainConfig) -> dict:
         print(summarize(metrics))
         print(f"wrote {out / 'metrics.json'}, {out / 'loss.png'}, "
               + ", ".join(str(out / f"model_{r}.safetensors") for r in recipes)
-              + f" (resume checkpoints and run_config.json: {out})")
+              + (f" (resume checkpoints and run_config.json: {out})" if ep.group is None else ""))
     if ep.group is not None:
         parallel.shutdown_distributed()
     return metrics

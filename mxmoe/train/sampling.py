@@ -23,7 +23,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu",
     aux_loss_coef is 0.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: a safetensors file without ``mxmoe train``'s
+        FileNotFoundError: no such file, or a folder (its model files named). ValueError: a safetensors file without ``mxmoe train``'s
             metadata, or whose tensors do not match its config.
     """
     from safetensors import safe_open
