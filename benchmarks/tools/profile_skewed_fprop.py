@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 
 import mxmoe  # noqa: E402
 from benchmarks import common as C  # noqa: E402
-from benchmarks.bench_layer import skew_router  # noqa: E402
+from benchmarks.bench_layer import skew_router, step_time  # noqa: E402
 from mxmoe.ops.linear import grouped_linear  # noqa: E402
 
 
@@ -65,19 +64,11 @@ def main():
         x = torch.randn(M, K, device=dev, generator=g).bfloat16()
         tiles = int(((rows + 127) // 128).sum())
         cases.append((bal, x, offs))
-        times = []
-        for i in range(13):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with torch.no_grad():
-                grouped_linear(x, w, offs, "mxfp8_128", validate=False)
-            end.record()
-            torch.cuda.synchronize()
-            if i >= 3:
-                times.append(start.elapsed_time(end))
+        with torch.no_grad():  # bench_layer's timing: 3 warm-up runs, then the median of 10
+            ms = step_time(lambda: grouped_linear(x, w, offs, "mxfp8_128", validate=False), 10)
         print(f"{args.shape} {args.proj} {bal:8s} rows/expert min {int(rows.min())} mean {float(rows.float().mean()):.0f} "
               f"max {int(rows.max())}  empty {int((rows == 0).sum())}  128-row tiles {tiles}  offs[-1] {int(offs[-1])} "
-              f"of M {M}  product + quantizers {statistics.median(times):.3f} ms", flush=True)
+              f"of M {M}  product + quantizers {ms:.3f} ms", flush=True)
     for bal, x, offs in cases:  # the profiled launches
         with torch.no_grad():
             grouped_linear(x, w, offs, "mxfp8_128", validate=False)
